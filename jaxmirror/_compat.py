@@ -1,0 +1,61 @@
+"""Every JAX-version-specific call jaxmirror makes, in one place (pinned to jax>=0.10.2,<0.11)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+Literal = jex_core.Literal
+jaxpr_as_fun = jex_core.jaxpr_as_fun
+jaxprs_in_params = jex_core.jaxprs_in_params
+
+P = PartitionSpec
+
+
+def make_mesh(devices, axis_name: str) -> Mesh:
+    """A 1-D mesh with *Auto* axis types (``jax.make_mesh`` defaults to Explicit now)."""
+    return Mesh(np.array(list(devices), dtype=object), (axis_name,))
+
+
+def shard_map(fn, mesh, in_specs, out_specs):
+    """``jax.shard_map`` with pmap-style gradients (``check_vma=False``): see DESIGN.md."""
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def is_tracing() -> bool:
+    """True while some JAX transformation (jit, grad, scan, ...) is tracing on this thread."""
+    from jax._src import core as _core  # no public spelling of this in 0.10
+
+    return not _core.trace_state_clean()
+
+
+def is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def abstract_key(x):
+    """Shape, dtype and weak type of an input, without its placement (a hashable key)."""
+    aval = jax.typeof(x)
+    return (aval.shape, aval.dtype, getattr(aval, "weak_type", False))
+
+
+def set_cpu_device_count(n: int) -> None:
+    """Ask XLA for ``n`` host-platform devices; only possible before the backend starts."""
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def backend_started() -> bool:
+    from jax._src import xla_bridge  # no public spelling of this in 0.10
+
+    return bool(xla_bridge._backends)
+
+
+__all__ = [
+    "ClosedJaxpr", "Jaxpr", "abstract_key", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec",
+    "backend_started", "is_tracer", "is_tracing", "jaxpr_as_fun", "jaxprs_in_params",
+    "make_mesh", "set_cpu_device_count", "shard_map",
+]

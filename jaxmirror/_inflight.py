@@ -1,0 +1,37 @@
+"""A bound on steps queued on CPU devices without waiting.
+
+XLA's CPU collectives abort (rendezvous termination, SIGABRT) when ~32 or more collective steps
+are queued and nobody waits. TF users never had to sync in their loops, so neither do ours: on
+CPU, once ``MAX_IN_FLIGHT`` steps are queued, ``run`` waits for the oldest before returning.
+GPU runtimes queue safely and are left alone.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+
+MAX_IN_FLIGHT = 8
+_queue: collections.deque = collections.deque()
+
+
+def track(outputs) -> None:
+    """Remember one output array of a step just dispatched; wait on the oldest past the bound."""
+    leaves = jax.tree.leaves(outputs)
+    if not leaves or isinstance(leaves[-1], jax.core.Tracer):
+        return
+    # One array per step is enough: an XLA CPU execution makes all its outputs ready at once.
+    _queue.append(leaves[-1])
+    while len(_queue) > MAX_IN_FLIGHT:
+        oldest = _queue.popleft()
+        if not oldest.is_deleted():  # donated into a later step, which ran after it
+            oldest.block_until_ready()
+
+
+def drain() -> None:
+    """Wait for every tracked step (tests use it to start from an empty queue)."""
+    while _queue:
+        oldest = _queue.popleft()
+        if not oldest.is_deleted():
+            oldest.block_until_ready()

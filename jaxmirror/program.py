@@ -1,0 +1,145 @@
+"""The compiled form of a step function: one ``jax.jit(shard_map(...))`` program per strategy.
+
+``Program`` is what ``strategy.run``, ``@strategy.run`` and ``strategy.function`` share. Its
+``__call__`` is the hot path: a context check, ``jax.jit``'s own C++ cache lookup and dispatch,
+and (on CPU) one append to the in-flight queue. All the Python work happens once per input
+signature, while ``jax.jit`` traces ``_trace``:
+
+1. trace the user's function once per replica under ``shard_map`` with every output stacked
+   along the replica axis;
+2. decide from the traced per-replica jaxpr which outputs are replicated (``replication.py``);
+3. re-emit that same jaxpr under the chosen ``out_specs``: replicated outputs come back as
+   plain arrays replicated over the mesh (Mirrored), the others as ``PerReplica``.
+
+The user's function is never called a second time for the same signature.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmirror import _compat, _inflight, context, replication
+from jaxmirror._compat import P
+from jaxmirror.values import PerReplica, is_per_replica
+
+
+def _as_output_array(x, where):
+    if isinstance(x, (jax.Array, int, float, complex, bool)) or hasattr(x, "__array__"):
+        return jnp.asarray(x)
+    raise TypeError(
+        f"run: the step function must return arrays, Python numbers or nests of them; got "
+        f"{type(x).__name__} at {jax.tree_util.keystr(where) or 'the top level'}."
+    )
+
+
+def check_can_run(strategy) -> None:
+    """The misuse rules of SEMANTICS.md for calling ``run``: raise before any device work."""
+    entry = context.current()
+    if entry.in_run:
+        raise RuntimeError(
+            "`run` was called inside a function that `run` is already running. Method requires "
+            "being in cross-replica context, use get_replica_context().merge_call() or call the "
+            "inner function directly."
+        )
+    if entry.strategy is not strategy and entry.strategy is not context.default_strategy():
+        raise context.mixing_error(entry.strategy, strategy)
+
+
+class Program:
+    """``fn`` compiled for every replica of ``strategy``; call it like ``fn``.
+
+    Args:
+        strategy: the strategy whose devices run the program.
+        fn: the step function, written for one replica.
+        donate_argnums: positional arguments whose buffers the outputs may reuse.
+    """
+
+    def __init__(self, strategy, fn, donate_argnums=()):
+        self._strategy = strategy
+        self._fn = fn
+        self.trace_count = 0  # how often the user's function was traced
+        self._traced = {}  # abstract input signature -> (jaxpr, out_tree, out_varying)
+        self._track = strategy.extended._bound_in_flight
+        self._jitted = jax.jit(self._trace, donate_argnums=donate_argnums)
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    @property
+    def fn(self):
+        """The user's per-replica function."""
+        return self._fn
+
+    def __call__(self, *args, **kwargs):
+        check_can_run(self._strategy)
+        out, token = self._jitted(*args, **kwargs)
+        if self._track:
+            _inflight.track(out if token is None else token)
+        return out
+
+    def __repr__(self) -> str:
+        return f"<jaxmirror step {self.__name__} on {self._strategy!r}>"
+
+    # -- trace time only -------------------------------------------------------------------
+    def _trace(self, *args, **kwargs):
+        ext = self._strategy.extended
+        axis = ext.axis_name
+        leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_per_replica)
+        stacked = tuple(is_per_replica(x) for x in leaves)
+        flat = [x.stacked if s else x for x, s in zip(leaves, stacked)]
+        # jax.jit retraces when only the inputs' placement changed (host arrays on the first
+        # call, mesh-replicated ones after it); the user's function must not run again for that.
+        key = (in_tree, stacked, tuple(_compat.abstract_key(x) for x in flat))
+        per_replica_program = self._traced.get(key)
+        if per_replica_program is None:
+            per_replica_program = self._trace_user_function(in_tree, stacked, flat)
+            if not any(_compat.is_tracer(c) for c in per_replica_program[0].consts):
+                self._traced[key] = per_replica_program
+        traced, out_tree, out_varying = per_replica_program
+        (eqn,) = traced.jaxpr.eqns  # the shard_map, fed by consts and our flat inputs
+        env = dict(zip(traced.jaxpr.constvars, traced.consts))
+        env.update(zip(traced.jaxpr.invars, flat))
+        operands = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
+        body = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(eqn.params["jaxpr"], ()))
+
+        def emit(*ops):
+            outs = body(*ops)
+            return [o if vary else o.reshape(o.shape[1:]) for o, vary in zip(outs, out_varying)]
+
+        out_specs = [P(axis) if vary else P() for vary in out_varying]
+        outs = _compat.shard_map(emit, ext.mesh, eqn.params["in_specs"], out_specs)(*operands)
+        outs = [PerReplica(o) if vary else o for o, vary in zip(outs, out_varying)]
+        # A step with no outputs still queues collectives: give the in-flight bound a handle.
+        token = None if outs else jnp.zeros((), jnp.int32)
+        return jax.tree.unflatten(out_tree, outs), token
+
+    def _trace_user_function(self, in_tree, stacked, flat):
+        """Trace the user's function once per replica; return (jaxpr, out_tree, out_varying)."""
+        self.trace_count += 1
+        ext = self._strategy.extended
+        axis = ext.axis_name
+        in_specs = tuple(P(axis) if s else P() for s in stacked)
+        out_tree = []
+
+        def per_replica_body(*local):
+            local = [x.reshape(x.shape[1:]) if s else x for x, s in zip(local, stacked)]
+            a, k = jax.tree.unflatten(in_tree, local)
+            ctx = ext._replica_context()
+            with context.pushed(context.Entry(self._strategy, ctx, in_run=True)):
+                result = self._fn(*a, **k)
+            with_paths, tree = jax.tree_util.tree_flatten_with_path(result)
+            out_tree.append(tree)
+            return [_as_output_array(x, path)[None] for path, x in with_paths]
+
+        traced = jax.make_jaxpr(
+            _compat.shard_map(per_replica_body, ext.mesh, in_specs, P(axis))
+        )(*flat)
+        (eqn,) = traced.jaxpr.eqns
+        inner = eqn.params["jaxpr"]
+        if ext._num_replicas > 1:
+            in_varying = [spec != P() for spec in eqn.params["in_specs"]]
+            out_varying = replication.analyse(inner, in_varying)
+        else:
+            out_varying = [False] * len(inner.outvars)
+        return traced, out_tree[0], out_varying

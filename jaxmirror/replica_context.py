@@ -1,0 +1,148 @@
+"""``ReplicaContext``: what a step function sees of its replica (``tf.distribute.ReplicaContext``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxmirror.reduce_op import ReduceOp, as_reduce_op
+
+
+def _check_gather_axis(x, axis) -> int:
+    rank = jnp.ndim(x)
+    if rank < 1:
+        raise ValueError(
+            f"all_gather: `value` must have rank >= 1 to be gathered along `axis`; got a scalar "
+            f"{x!r}. Reshape it to shape [1] first."
+        )
+    if not isinstance(axis, int) or not -rank <= axis < rank:
+        raise ValueError(f"all_gather: `axis` must be an int in [{-rank}, {rank}) for a rank-{rank} "
+                         f"value; got {axis!r}.")
+    return axis % rank
+
+
+def _mean(x, axis_name, n: int):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        # TF returns a float for an integer MEAN; JAX's default float is float32.
+        x = x.astype(jnp.result_type(float))
+    return lax.psum(x, axis_name) / n
+
+
+class ReplicaContext:
+    """A replica's view of the strategy inside ``strategy.run`` (``tf.distribute.ReplicaContext``).
+
+    Get it with ``jaxmirror.get_replica_context()`` inside the step function. Outside every
+    strategy the default replica context is replica 0 of 1 and its collectives return their input.
+
+    Args:
+        strategy: the strategy this replica belongs to.
+        replica_id_in_sync_group: the replica's id (an ``int`` for the default context).
+        axis_name: the mesh axis the collectives run over; ``None`` for the default context.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> def step():
+        ...     ctx = jaxmirror.get_replica_context()
+        ...     return ctx.all_reduce("sum", ctx.replica_id_in_sync_group + 1)
+        >>> int(s.run(step))
+        3
+    """
+
+    def __init__(self, strategy, replica_id_in_sync_group=0, axis_name: str | None = None):
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+        self._axis_name = axis_name
+
+    @property
+    def strategy(self):
+        """The strategy running this replica."""
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas run the step together (a Python int)."""
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self):
+        """This replica's id: a traced int32 scalar inside ``run``, the int 0 in the default context."""
+        if self._axis_name is None:
+            return self._replica_id
+        return lax.axis_index(self._axis_name)
+
+    @property
+    def devices(self) -> tuple:
+        """The TF-style names of this replica's devices (all of them while tracing, SPMD)."""
+        return tuple(self._strategy.extended.worker_devices)
+
+    def all_reduce(self, reduce_op, value, options=None):
+        """Reduce ``value`` (a nest of arrays) across replicas; every replica gets the result.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``, or ``"sum"``/``"mean"`` in any case.
+            value: an array, a Python number or a nest (pytree) of them.
+            options: accepted for TF compatibility; XLA chooses the collective algorithm.
+
+        Returns:
+            The reduced nest, identical on every replica (so ``run`` returns it as Mirrored). An
+            integer MEAN gives floats. In the default context ``value`` is returned unchanged.
+
+        Raises:
+            ValueError: for a reduce op other than SUM or MEAN.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> out = s.run(lambda: jaxmirror.get_replica_context().all_reduce("MEAN", {"a": 2}))
+            >>> float(out["a"])
+            2.0
+        """
+        del options
+        op = as_reduce_op(reduce_op)
+        if self._axis_name is None:
+            return value
+        axis, n = self._axis_name, self.num_replicas_in_sync
+        if op is ReduceOp.SUM:
+            return jax.tree.map(lambda x: lax.psum(x, axis), value)
+        return jax.tree.map(lambda x: _mean(x, axis, n), value)
+
+    def all_gather(self, value, axis: int, options=None):
+        """Concatenate every replica's ``value`` along ``axis``; every replica gets the result.
+
+        Args:
+            value: an array of rank >= 1 or a nest of them.
+            axis: the axis to concatenate along (negative counts from the end).
+            options: accepted for TF compatibility.
+
+        Returns:
+            The gathered nest: along ``axis`` its size is the sum of the replicas' sizes, in
+            replica order. In the default context ``value`` is returned unchanged.
+
+        Raises:
+            ValueError: for a scalar leaf or an ``axis`` outside the leaf's rank.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> def step():
+            ...     ctx = jaxmirror.get_replica_context()
+            ...     return ctx.all_gather(jnp.full((1, 2), ctx.replica_id_in_sync_group), axis=0)
+            >>> s.run(step).tolist()
+            [[0, 0], [1, 1]]
+        """
+        del options
+        leaves = jax.tree.leaves(value)
+        axes = [_check_gather_axis(x, axis) for x in leaves]
+        if self._axis_name is None:
+            return value
+        it = iter(axes)
+        return jax.tree.map(
+            lambda x: lax.all_gather(x, self._axis_name, axis=next(it), tiled=True), value
+        )
+
+    def __repr__(self) -> str:
+        return (f"ReplicaContext(strategy={self._strategy!r}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")

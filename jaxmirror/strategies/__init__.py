@@ -1,0 +1,1 @@
+"""The concrete strategies: each is a ``Strategy`` over its own devices."""

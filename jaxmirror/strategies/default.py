@@ -1,0 +1,56 @@
+"""The default strategy: what is current when no strategy is (``tf.distribute.get_strategy()``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+from jaxmirror import context
+from jaxmirror.program import check_can_run
+from jaxmirror.replica_context import ReplicaContext
+from jaxmirror.strategy import Strategy, StrategyExtended
+
+
+class _DirectCall:
+    """The default strategy's "program": TF's default strategy calls ``fn`` as it is."""
+
+    def __init__(self, strategy, fn):
+        self._strategy = strategy
+        self._fn = fn
+        self.trace_count = 0
+        self.__wrapped__ = fn
+
+    def __call__(self, *args, **kwargs):
+        check_can_run(self._strategy)
+        return self._fn(*args, **kwargs)
+
+
+class _DefaultExtended(StrategyExtended):
+    def _default_replica_context(self) -> ReplicaContext:
+        return ReplicaContext(self._container_strategy_ref, replica_id_in_sync_group=0)
+
+    _replica_context = _default_replica_context
+
+
+class DefaultStrategy(Strategy):
+    """One replica on JAX's default device; ``run`` calls the function directly.
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.get_strategy()
+        >>> s.num_replicas_in_sync, s.run(lambda: 1 + 1)
+        (1, 2)
+    """
+
+    def __init__(self):
+        super().__init__(_DefaultExtended(self, [jax.devices()[0]]))
+
+    def _make_program(self, fn, options):
+        return _DirectCall(self, fn)
+
+    @contextlib.contextmanager
+    def scope(self):
+        if context.has_strategy():
+            raise RuntimeError("Must not nest jaxmirror Strategy scopes.")
+        yield self

@@ -1,0 +1,46 @@
+"""``MirroredStrategy``: synchronous data parallelism over the devices of one machine."""
+
+from __future__ import annotations
+
+from jaxmirror import devices as devices_lib
+from jaxmirror.cross_device_ops import CrossDeviceOps
+from jaxmirror.strategy import Strategy, StrategyExtended
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous training across several devices on one machine (``tf.distribute.MirroredStrategy``).
+
+    One replica per device; parameters are replicated on every device, each replica takes a
+    slice of the global batch, and gradients are combined with all-reduce. The step is compiled
+    once into one SPMD program (``jax.jit`` of ``jax.shard_map``) over a 1-D mesh.
+
+    Args:
+        devices: the devices to use: ``jax.Device`` objects or TF device strings ("GPU:0",
+            "/gpu:1", "/device:CPU:0", ...). ``None`` takes every local GPU, or every local
+            CPU device when there is no GPU.
+        cross_device_ops: a ``CrossDeviceOps`` (accepted for TF compatibility: XLA compiles the
+            all-reduce itself, whichever is given) or ``None``.
+
+    Raises:
+        ValueError: for an empty or duplicated device list, an unknown device, or a
+            ``cross_device_ops`` that is not a ``CrossDeviceOps``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> s.num_replicas_in_sync
+        2
+        >>> float(s.run(lambda: jaxmirror.get_replica_context().all_reduce("sum", 1.0)))
+        2.0
+    """
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise ValueError(f"`cross_device_ops` must be a jaxmirror CrossDeviceOps or None; got "
+                             f"{cross_device_ops!r}.")
+        if devices is None:
+            devs = devices_lib.default_local_devices()
+        else:
+            devs = devices_lib.resolve_all(devices, "devices")
+        self._cross_device_ops = cross_device_ops
+        super().__init__(StrategyExtended(self, devs))

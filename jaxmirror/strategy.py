@@ -1,0 +1,460 @@
+"""``Strategy`` and ``StrategyExtended``: one class each; strategies differ only in their devices."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import inspect
+
+import jax
+import numpy as np
+
+from jaxmirror import _compat, context, cross_replica, devices as devices_lib
+from jaxmirror._compat import NamedSharding, P
+from jaxmirror.program import Program
+from jaxmirror.replica_context import ReplicaContext
+from jaxmirror.values import PerReplica
+
+AXIS_NAME = "replica"
+_NOT_GIVEN = object()
+_MAX_PROGRAMS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Options for ``Strategy.run`` (``tf.distribute.RunOptions``, with JAX's own knobs).
+
+    Args:
+        donate_argnums: positions of ``args`` whose buffers the step may reuse for its outputs
+            (``jax.jit``'s donation): pass the params' position so updated params are written in
+            place of the old ones. A donated argument must not be used after the call.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> params = s.run(lambda: jnp.zeros(3))
+        >>> new = s.run(lambda p: p + 1, args=(params,),
+        ...             options=jaxmirror.RunOptions(donate_argnums=(0,)))
+        >>> new.tolist()
+        [1.0, 1.0, 1.0]
+    """
+
+    donate_argnums: tuple = ()
+
+    def __post_init__(self):
+        nums = self.donate_argnums
+        nums = (nums,) if isinstance(nums, int) else tuple(nums)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+            raise ValueError(f"RunOptions: `donate_argnums` must be non-negative ints; got "
+                             f"{self.donate_argnums!r}.")
+        object.__setattr__(self, "donate_argnums", nums)
+
+
+_DEFAULT_OPTIONS = RunOptions()
+
+
+def _wants_arguments(fn) -> bool:
+    """True when ``fn`` has a required positional parameter (then ``run(fn)`` decorates)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in params)
+
+
+class StrategyExtended:
+    """Additional APIs for distribution-aware code (``tf.distribute.StrategyExtended``).
+
+    Reach it as ``strategy.extended``. Besides TF's names it exposes the JAX objects behind the
+    strategy: ``mesh`` (a 1-D ``jax.sharding.Mesh``), ``axis_name`` and the two shardings values
+    take (``replicated_sharding`` for Mirrored values, ``replica_sharding`` for stacked
+    PerReplica values).
+
+    Args:
+        container_strategy: the ``Strategy`` this object extends.
+        devices: the JAX devices that run one replica each, in replica order.
+        parameter_devices: where variables live; by default on every compute device.
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> s.extended.worker_devices
+        ('/job:localhost/replica:0/task:0/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:1')
+        >>> dict(s.extended.mesh.shape)
+        {'replica': 2}
+    """
+
+    def __init__(self, container_strategy, devices, parameter_devices=None):
+        self._container_strategy_ref = container_strategy
+        self._devices = tuple(devices)
+        self._parameter_devices = tuple(parameter_devices or devices)
+        self._mesh = _compat.make_mesh(self._devices, AXIS_NAME)
+        self._device_set = frozenset(self._devices)
+        self._num_replicas = len(self._devices)
+        local = [d for d in self._devices if d.process_index == jax.process_index()]
+        self._num_local_replicas = len(local)
+        # XLA's CPU collectives deadlock past ~32 queued steps; GPUs queue safely.
+        self._bound_in_flight = any(d.platform == "cpu" for d in self._devices)
+        self.replicated_sharding = NamedSharding(self._mesh, P())
+        self.replica_sharding = NamedSharding(self._mesh, P(AXIS_NAME))
+
+    @property
+    def mesh(self):
+        """The 1-D ``jax.sharding.Mesh`` (axis ``"replica"``) the programs run on."""
+        return self._mesh
+
+    @property
+    def axis_name(self) -> str:
+        """The mesh axis name collectives run over, for hand-written ``jax.lax`` collectives."""
+        return AXIS_NAME
+
+    @property
+    def devices(self) -> tuple:
+        """The JAX devices, one per replica, in replica order."""
+        return self._devices
+
+    @property
+    def worker_devices(self) -> tuple:
+        """TF-style names of the devices this worker runs replicas on."""
+        return tuple(devices_lib.tf_name(d) for d in self._devices
+                     if d.process_index == jax.process_index())
+
+    @property
+    def parameter_devices(self) -> tuple:
+        """TF-style names of the devices variables are placed on."""
+        return tuple(devices_lib.tf_name(d) for d in self._parameter_devices)
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        """False: callers need not drop partial batches; jaxmirror keeps shapes static itself."""
+        return False
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        """Run ``fn`` on every replica now (the same as ``strategy.run(fn, args, kwargs)``).
+
+        Args:
+            fn: the per-replica function.
+            args: a tuple or list of positional arguments.
+            kwargs: a dict of keyword arguments.
+
+        Returns:
+            The merged results, as ``Strategy.run`` returns them.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> r = s.extended.call_for_each_replica(
+            ...     lambda: jaxmirror.get_replica_context().replica_id_in_sync_group)
+            >>> [int(x) for x in s.experimental_local_results(r)]
+            [0, 1]
+        """
+        return self._container_strategy_ref.run(fn, args=args, kwargs=kwargs)
+
+    # -- used by the rest of jaxmirror ----------------------------------------------------
+    def _replica_context(self) -> ReplicaContext:
+        return ReplicaContext(self._container_strategy_ref, axis_name=AXIS_NAME)
+
+    def _stack_components(self, components: list) -> PerReplica:
+        """Stack host components (one per replica) into a PerReplica placed replica by replica."""
+        return PerReplica(jax.device_put(np.stack(components), self.replica_sharding))
+
+
+class Strategy:
+    """A way to run a computation on several devices (``tf.distribute.Strategy``).
+
+    Use a concrete strategy: ``MirroredStrategy``, ``OneDeviceStrategy`` or
+    ``experimental.CentralStorageStrategy``. Write the step for one replica and let ``run``
+    compile it once for all of them.
+
+    Args:
+        extended: the strategy's ``StrategyExtended``.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> @s.run
+        ... def step(x):
+        ...     return jaxmirror.get_replica_context().all_reduce("sum", x)
+        >>> float(step(jnp.float32(1.5)))
+        3.0
+    """
+
+    def __init__(self, extended: StrategyExtended):
+        self._extended = extended
+        self._programs: collections.OrderedDict = collections.OrderedDict()
+        self._scope_depth = 0
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def extended(self) -> StrategyExtended:
+        """The ``StrategyExtended`` with the additional, lower-level APIs."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas run each step together."""
+        return self._extended._num_replicas
+
+    @property
+    def cluster_resolver(self):
+        """The cluster resolver of a multi-worker strategy; ``None`` on one machine."""
+        return None
+
+    # -- contexts ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self):
+        """Make this strategy current: ``get_strategy()`` returns it, and we are in cross-replica context.
+
+        Re-entering the same strategy's scope (also from inside ``run``) changes nothing; entering
+        another strategy's scope inside this one raises.
+
+        Returns:
+            A context manager.
+
+        Raises:
+            RuntimeError: when another strategy is current ("Mixing different ... Strategy objects").
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     jaxmirror.get_strategy() is s, jaxmirror.in_cross_replica_context()
+            (True, True)
+        """
+        entry = context.current()
+        if entry.strategy is self:
+            new = entry  # TF's "same scope again": nothing changes
+        elif entry.strategy is context.default_strategy():
+            new = context.Entry(self, None)
+        else:
+            raise context.mixing_error(entry.strategy, self)
+        with context.pushed(new):
+            yield self
+
+    # -- run ----------------------------------------------------------------------------------
+    def _program(self, fn, options: RunOptions) -> Program:
+        key = (fn, options.donate_argnums)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._make_program(fn, options)
+            self._programs[key] = program
+            if len(self._programs) > _MAX_PROGRAMS:
+                self._programs.popitem(last=False)
+        return program
+
+    def _make_program(self, fn, options: RunOptions):
+        return Program(self, fn, options.donate_argnums)
+
+    def run(self, fn, args=_NOT_GIVEN, kwargs=None, options=None):
+        """Run ``fn`` on every replica, or, used as a decorator, make a step that does.
+
+        ``fn`` is written for one replica and traced once for all of them (SPMD): Python side
+        effects in it happen once per trace, not once per replica, and it is compiled once per
+        input signature. Inside, ``get_replica_context()`` gives the replica's id and collectives.
+
+        * ``strategy.run(fn, args=(), kwargs=None, options=None)`` runs now, as in TF.
+        * ``@strategy.run`` on a function with at least one required positional parameter returns
+          a step ``step(*args, **kwargs)`` that runs it on every replica (a function without one
+          runs at once, as in TF). ``strategy.function(fn)`` makes a step whatever the signature.
+
+        Arguments: ``PerReplica`` values give each replica its own component; arrays, Python
+        numbers and Mirrored values go whole to every replica; nests keep their structure.
+        Results: values that differ across replicas come back as ``PerReplica``; values that are
+        provably identical on every replica (computed from replicated inputs, constants and
+        all-reduced or all-gathered values) come back as plain ``jax.Array``s replicated over the
+        devices (Mirrored). With one replica results are plain values. Gradients taken inside
+        ``fn`` are per-replica: all-reduce them to combine.
+
+        Args:
+            fn: the per-replica function.
+            args: a tuple or list of positional arguments.
+            kwargs: a dict of keyword arguments.
+            options: a ``RunOptions``.
+
+        Returns:
+            The merged results of ``fn``; or, in the decorator form, the step callable.
+
+        Raises:
+            ValueError: when ``args`` is not a list or tuple.
+            RuntimeError: inside another ``run``, or inside another strategy's scope.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> def fn(x):
+            ...     return x * (jaxmirror.get_replica_context().replica_id_in_sync_group + 1)
+            >>> out = s.run(fn, args=(jnp.float32(2),))
+            >>> [float(v) for v in s.experimental_local_results(out)]
+            [2.0, 4.0]
+        """
+        if args is _NOT_GIVEN:
+            if kwargs is None and options is None and _wants_arguments(fn):
+                return self.function(fn)
+            args = ()
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"positional args must be a list or tuple, got {type(args)}.")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"kwargs must be a dict, got {type(kwargs)}.")
+        if options is not None and not isinstance(options, RunOptions):
+            raise ValueError(f"options must be a jaxmirror.RunOptions, got {type(options)}.")
+        program = self._program(fn, options or _DEFAULT_OPTIONS)
+        return program(*args, **(kwargs or {}))
+
+    def function(self, fn=None, *, donate_argnums=()):
+        """Compile ``fn`` into a step that runs it on every replica when called.
+
+        The step shares ``run``'s compiled-program cache: ``step(*args)`` and
+        ``strategy.run(fn, args)`` use the same program. It composes with ``jax.jit``,
+        ``jax.lax.scan`` and ``jax.grad``. ``step.trace_count`` counts how often it was traced.
+
+        Args:
+            fn: the per-replica function; omitted, ``function`` returns a decorator.
+            donate_argnums: positional arguments whose buffers the outputs may reuse.
+
+        Returns:
+            The step callable.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> step = s.function(lambda: jaxmirror.get_replica_context().all_reduce("sum", 1))
+            >>> int(step())
+            2
+        """
+        options = RunOptions(donate_argnums=donate_argnums)
+        if fn is None:
+            return lambda f: self._program(f, options)
+        return self._program(fn, options)
+
+    # -- cross-replica ------------------------------------------------------------------------
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduce ``value`` across replicas (and along ``axis``, if given) in cross-replica context.
+
+        ``axis=None`` combines the replicas' components. With ``axis=k`` each replica's component
+        is first summed along ``k``; MEAN then divides by the number of elements along ``k`` over
+        all replicas. A Mirrored value counts as N identical components (SUM gives N times it).
+        A non-distributed value is returned for MEAN and refused for SUM (with an axis it counts
+        as copied to every replica).
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``, or their names in any case.
+            value: a ``PerReplica``/Mirrored value, an array, or a nest of them.
+            axis: ``None`` or the component axis to reduce along too (negative allowed).
+
+        Returns:
+            The reduced value (a nest like ``value``).
+
+        Raises:
+            ValueError: for a bad reduce op or axis, or a non-distributed value with SUM.
+            RuntimeError: in a replica context (inside ``run``).
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> v = s.experimental_distribute_values_from_function(
+            ...     lambda ctx: jnp.arange(2.0) + ctx.replica_id_in_sync_group)
+            >>> s.reduce("sum", v, axis=None).tolist()
+            [1.0, 3.0]
+            >>> float(s.reduce("mean", v, axis=0))
+            1.0
+        """
+        return cross_replica.reduce(self, reduce_op, value, axis)
+
+    def gather(self, value, axis):
+        """Concatenate the components of ``value`` along ``axis`` (cross-replica context).
+
+        Args:
+            value: a ``PerReplica``/Mirrored value (components of rank >= 1) or a nest of them.
+            axis: the component axis to concatenate along.
+
+        Returns:
+            The concatenation, in replica order.
+
+        Raises:
+            ValueError: for scalar components or an ``axis`` outside their rank.
+            RuntimeError: in a replica context.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> v = s.experimental_distribute_values_from_function(
+            ...     lambda ctx: jnp.full((1, 2), ctx.replica_id_in_sync_group))
+            >>> s.gather(v, axis=0).tolist()
+            [[0, 0], [1, 1]]
+        """
+        return cross_replica.gather(self, value, axis)
+
+    def experimental_local_results(self, value) -> tuple:
+        """The components of ``value`` held by this process, one per local replica.
+
+        Args:
+            value: a value returned by ``run``, a distributed value, or a nest of them.
+
+        Returns:
+            A tuple with one entry per local replica (for a nest: a tuple of nests); a value that
+            is not distributed gives ``(value,)``.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> v = s.experimental_distribute_values_from_function(
+            ...     lambda ctx: {"a": ctx.replica_id_in_sync_group})
+            >>> [int(r["a"]) for r in s.experimental_local_results(v)]
+            [0, 1]
+            >>> s.experimental_local_results(5)
+            (5,)
+        """
+        return cross_replica.local_results(self, value)
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """Build a distributed value by calling ``value_fn`` once per local replica.
+
+        Args:
+            value_fn: called as ``value_fn(experimental.ValueContext)``; returns an array, a
+                number or a nest of them, the same structure, shapes and dtypes for every replica.
+
+        Returns:
+            A nest of ``PerReplica`` values (a plain value with one replica).
+
+        Raises:
+            ValueError: when replicas return different structures, shapes or dtypes.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> v = s.experimental_distribute_values_from_function(
+            ...     lambda ctx: ctx.replica_id_in_sync_group * 10)
+            >>> [int(x) for x in s.experimental_local_results(v)]
+            [0, 10]
+        """
+        from jaxmirror.input import distribute_values_from_function
+
+        return distribute_values_from_function(self, value_fn)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Distribute a dataset of global batches over the replicas.
+
+        Args:
+            dataset: a re-iterable of host batches (nests of arrays batched by the global batch
+                size, which must be divisible by ``num_replicas_in_sync``).
+            options: reserved for ``InputOptions``.
+
+        Returns:
+            A ``DistributedDataset``; iterating it gives nests of ``PerReplica`` values.
+
+        Example:
+            >>> import numpy as np, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> ds = [np.arange(4.0)]
+            >>> batch = next(iter(s.experimental_distribute_dataset(ds)))
+            >>> [c.tolist() for c in s.experimental_local_results(batch)]
+            [[0.0, 1.0], [2.0, 3.0]]
+        """
+        from jaxmirror.input import DistributedDataset
+
+        return DistributedDataset(self, dataset, options)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} with {self.num_replicas_in_sync} replica(s)>"
