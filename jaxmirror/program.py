@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxmirror import _compat, _inflight, context, replication
 from jaxmirror._compat import P
-from jaxmirror.values import PerReplica, is_per_replica
+from jaxmirror.values import Mirrored, PerReplica, is_distributed, is_per_replica
 
 
 def _as_output_array(x, where):
@@ -85,9 +85,11 @@ class Program:
     def _trace(self, *args, **kwargs):
         ext = self._strategy.extended
         axis = ext.axis_name
-        leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_per_replica)
+        leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         stacked = tuple(is_per_replica(x) for x in leaves)
-        flat = [x.stacked if s else x for x, s in zip(leaves, stacked)]
+        # Each replica sees a PerReplica's own component and a Mirrored's value.
+        flat = [x.stacked if s else (x.value if isinstance(x, Mirrored) else x)
+                for x, s in zip(leaves, stacked)]
         # jax.jit retraces when only the inputs' placement changed (host arrays on the first
         # call, mesh-replicated ones after it); the user's function must not run again for that.
         key = (in_tree, stacked, tuple(_compat.abstract_key(x) for x in flat))
