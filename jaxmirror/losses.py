@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmirror import context
+
+
+def _match_rank(weight, rank: int):
+    """TF's squeeze_or_expand_dimensions: a (B, 1) weight for (B,) losses, a (B,) one for (B, T)."""
+    if weight.ndim == rank + 1 and weight.shape[-1] == 1:
+        return jnp.squeeze(weight, -1)
+    if weight.ndim == rank - 1 and weight.ndim > 0:
+        return weight[..., None]
+    return weight
+
+
+def _check_global_batch_size(global_batch_size) -> None:
+    traced = isinstance(global_batch_size, jax.core.Tracer)
+    # np, not jnp: inside `run` jnp.asarray(10) would be traced and could not be compared.
+    gbs = jax.typeof(global_batch_size) if traced else np.asarray(global_batch_size)
+    if gbs.ndim != 0 or gbs.dtype == bool or not np.issubdtype(gbs.dtype, np.integer):
+        raise ValueError(f"`global_batch_size` must be a scalar integer; got {global_batch_size!r}.")
+    if not traced and int(gbs) <= 0:
+        raise ValueError(f"`global_batch_size` must be positive; got {global_batch_size}.")
 
 
 def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
@@ -16,7 +37,8 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
 
     Args:
         per_example_loss: an array of rank >= 1 whose axis 0 is the replica's batch.
-        sample_weight: ``None``, or weights broadcastable to ``per_example_loss``.
+        sample_weight: ``None``, or weights broadcastable to ``per_example_loss`` (one rank more
+            or less is matched as TF does: a ``(B, 1)`` weight for ``(B,)`` losses).
         global_batch_size: a positive int; by default the replica's batch size times
             ``num_replicas_in_sync``.
 
@@ -40,18 +62,13 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
                          f"least rank 1, received shape {loss.shape}.")
     dtype = loss.dtype
     if sample_weight is not None:
-        loss = (loss * jnp.asarray(sample_weight)).astype(dtype)
+        loss = (loss * _match_rank(jnp.asarray(sample_weight), loss.ndim)).astype(dtype)
     if global_batch_size is None:
         entry = context.current()
         if entry.replica_context is None and entry.strategy is not context.default_strategy():
             raise RuntimeError("You are calling `compute_average_loss` in cross replica context, "
                                "while it was expected to be called in replica context.")
         global_batch_size = loss.shape[0] * entry.strategy.num_replicas_in_sync
-    elif isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int):
-        gbs = jnp.asarray(global_batch_size)
-        if gbs.ndim != 0 or not jnp.issubdtype(gbs.dtype, jnp.integer):
-            raise ValueError(f"`global_batch_size` must be a scalar integer; got "
-                             f"{global_batch_size!r}.")
-    elif global_batch_size <= 0:
-        raise ValueError(f"`global_batch_size` must be positive; got {global_batch_size}.")
+    else:
+        _check_global_batch_size(global_batch_size)
     return jnp.sum(loss) / jnp.asarray(global_batch_size).astype(dtype)
