@@ -19,10 +19,13 @@ _queue: collections.deque = collections.deque()
 def track(outputs) -> None:
     """Remember one output array of a step just dispatched; wait on the oldest past the bound."""
     leaves = jax.tree.leaves(outputs)
-    if not leaves or isinstance(leaves[-1], jax.core.Tracer):
+    if not leaves:
         return
+    last = leaves[-1]
+    if not isinstance(last, jax.Array) or isinstance(last, jax.core.Tracer):
+        return  # a host value, or a step traced inside the user's own jit/scan
     # One array per step is enough: an XLA CPU execution makes all its outputs ready at once.
-    _queue.append(leaves[-1])
+    _queue.append(last)
     while len(_queue) > MAX_IN_FLIGHT:
         oldest = _queue.popleft()
         if not oldest.is_deleted():  # donated into a later step, which ran after it

@@ -59,6 +59,7 @@ class Program:
         self._strategy = strategy
         self._fn = fn
         self.trace_count = 0  # how often the user's function was traced
+        self.compile_count = 0  # how often jax.jit traced (and so compiled) this program
         self._traced = {}  # abstract input signature -> (jaxpr, out_tree, out_varying)
         self._track = strategy.extended._bound_in_flight
         self._jitted = jax.jit(self._trace, donate_argnums=donate_argnums)
@@ -83,6 +84,7 @@ class Program:
 
     # -- trace time only -------------------------------------------------------------------
     def _trace(self, *args, **kwargs):
+        self.compile_count += 1
         ext = self._strategy.extended
         axis = ext.axis_name
         leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)

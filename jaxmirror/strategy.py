@@ -10,7 +10,7 @@ import inspect
 import jax
 import numpy as np
 
-from jaxmirror import _compat, context, cross_replica, devices as devices_lib
+from jaxmirror import _compat, _inflight, context, cross_replica, devices as devices_lib
 from jaxmirror._compat import NamedSharding, P
 from jaxmirror.program import Program
 from jaxmirror.replica_context import ReplicaContext
@@ -153,6 +153,13 @@ class StrategyExtended:
         return self._container_strategy_ref.run(fn, args=args, kwargs=kwargs)
 
     # -- used by the rest of jaxmirror ----------------------------------------------------
+    def _track(self, result):
+        """Count ``result``'s computation against the CPU in-flight bound (reduce and gather
+        run collectives too); returns ``result``."""
+        if self._bound_in_flight:
+            _inflight.track(result)
+        return result
+
     def _replica_context(self) -> ReplicaContext:
         return ReplicaContext(self._container_strategy_ref, axis_name=AXIS_NAME)
 
@@ -307,7 +314,11 @@ class Strategy:
 
         The step shares ``run``'s compiled-program cache: ``step(*args)`` and
         ``strategy.run(fn, args)`` use the same program. It composes with ``jax.jit``,
-        ``jax.lax.scan`` and ``jax.grad``. ``step.trace_count`` counts how often it was traced.
+        ``jax.lax.scan`` and ``jax.grad``. ``step.trace_count`` counts how often ``fn`` was
+        traced and ``step.compile_count`` how often a program was built for it: JAX builds a
+        second one when only the inputs' placement changed (host arrays on the first call,
+        mesh-replicated outputs after it) without tracing ``fn`` again. Place initial params
+        with ``jax.device_put(params, strategy.extended.replicated_sharding)`` to build one.
 
         Args:
             fn: the per-replica function; omitted, ``function`` returns a decorator.
@@ -360,7 +371,7 @@ class Strategy:
             >>> float(s.reduce("mean", v, axis=0))
             1.0
         """
-        return cross_replica.reduce(self, reduce_op, value, axis)
+        return self._extended._track(cross_replica.reduce(self, reduce_op, value, axis))
 
     def gather(self, value, axis):
         """Concatenate the components of ``value`` along ``axis`` (cross-replica context).
@@ -384,7 +395,7 @@ class Strategy:
             >>> s.gather(v, axis=0).tolist()
             [[0, 0], [1, 1]]
         """
-        return cross_replica.gather(self, value, axis)
+        return self._extended._track(cross_replica.gather(self, value, axis))
 
     def experimental_local_results(self, value) -> tuple:
         """The components of ``value`` held by this process, one per local replica.

@@ -347,3 +347,27 @@ def test_steps_without_outputs_are_bounded_too():
     for _ in range(100):
         assert step(jnp.ones(())) is None
     assert 0 < len(_inflight._queue) <= _inflight.MAX_IN_FLIGHT
+
+
+def test_reduce_in_an_unsynchronised_loop_is_bounded_too():
+    _inflight.drain()
+    s = mirrored(8)
+    v = per_replica(s, lambda i: np.float32(i))
+    for _ in range(64):
+        r = s.reduce("sum", v, axis=None)
+        g = s.gather(s.run(lambda x: x[None], args=(v,)), axis=0)
+        assert len(_inflight._queue) <= _inflight.MAX_IN_FLIGHT
+    assert float(r) == 28.0 and g.tolist() == list(range(8))
+
+
+def test_compile_count_sees_placement_only_rebuilds_without_retracing():
+    s = mirrored(2)
+    step = s.function(lambda p: p + 1)
+    p = step(np.zeros(3, np.float32))  # host input
+    p = step(p)  # now replicated on the mesh: same shapes, another placement
+    p = step(p)
+    assert (step.trace_count, step.compile_count) == (1, 2)
+    placed = s.function(lambda p: p + 1)
+    q = placed(jax.device_put(np.zeros(3, np.float32), s.extended.replicated_sharding))
+    placed(placed(q))
+    assert (placed.trace_count, placed.compile_count) == (1, 1)

@@ -18,7 +18,7 @@ class _DirectCall:
     def __init__(self, strategy, fn):
         self._strategy = strategy
         self._fn = fn
-        self.trace_count = 0
+        self.trace_count = self.compile_count = 0
         self.__wrapped__ = fn
 
     def __call__(self, *args, **kwargs):
