@@ -16,6 +16,9 @@ The user's function is never called a second time for the same signature.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
 
@@ -31,6 +34,16 @@ def _as_output_array(x, where):
         f"run: the step function must return arrays, Python numbers or nests of them; got "
         f"{type(x).__name__} at {jax.tree_util.keystr(where) or 'the top level'}."
     )
+
+
+def wants_arguments(fn) -> bool:
+    """True when ``fn`` has a required positional parameter (then ``run(fn)`` decorates)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in params)
 
 
 def check_can_run(strategy) -> None:
@@ -66,6 +79,11 @@ class Program:
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
+
+    @functools.cached_property
+    def wants_arguments(self) -> bool:
+        """Whether ``fn`` has a required positional parameter (see ``Strategy.run``)."""
+        return wants_arguments(self._fn)
 
     @property
     def fn(self):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import inspect
 
 import jax
 import numpy as np
@@ -52,16 +51,6 @@ class RunOptions:
 
 
 _DEFAULT_OPTIONS = RunOptions()
-
-
-def _wants_arguments(fn) -> bool:
-    """True when ``fn`` has a required positional parameter (then ``run(fn)`` decorates)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-               for p in params)
 
 
 class StrategyExtended:
@@ -296,17 +285,17 @@ class Strategy:
             >>> [float(v) for v in s.experimental_local_results(out)]
             [2.0, 4.0]
         """
-        if args is _NOT_GIVEN:
-            if kwargs is None and options is None and _wants_arguments(fn):
-                return self.function(fn)
-            args = ()
-        if not isinstance(args, (list, tuple)):
+        if args is not _NOT_GIVEN and not isinstance(args, (list, tuple)):
             raise ValueError(f"positional args must be a list or tuple, got {type(args)}.")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"kwargs must be a dict, got {type(kwargs)}.")
         if options is not None and not isinstance(options, RunOptions):
             raise ValueError(f"options must be a jaxmirror.RunOptions, got {type(options)}.")
         program = self._program(fn, options or _DEFAULT_OPTIONS)
+        if args is _NOT_GIVEN:
+            if kwargs is None and options is None and program.wants_arguments:
+                return program  # the decorator form
+            args = ()
         return program(*args, **(kwargs or {}))
 
     def function(self, fn=None, *, donate_argnums=()):

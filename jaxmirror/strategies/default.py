@@ -7,7 +7,7 @@ import contextlib
 import jax
 
 from jaxmirror import context
-from jaxmirror.program import check_can_run
+from jaxmirror.program import check_can_run, wants_arguments
 from jaxmirror.replica_context import ReplicaContext
 from jaxmirror.strategy import Strategy, StrategyExtended
 
@@ -20,6 +20,10 @@ class _DirectCall:
         self._fn = fn
         self.trace_count = self.compile_count = 0
         self.__wrapped__ = fn
+
+    @property
+    def wants_arguments(self) -> bool:
+        return wants_arguments(self._fn)
 
     def __call__(self, *args, **kwargs):
         check_can_run(self._strategy)
