@@ -11,25 +11,31 @@ from __future__ import annotations
 import collections
 
 import jax
+from jax.core import Tracer
 
 MAX_IN_FLIGHT = 8
 _queue: collections.deque = collections.deque()
 
 
-def track(outputs) -> None:
-    """Remember one output array of a step just dispatched; wait on the oldest past the bound."""
-    leaves = jax.tree.leaves(outputs)
-    if not leaves:
-        return
-    last = leaves[-1]
-    if not isinstance(last, jax.Array) or isinstance(last, jax.core.Tracer):
-        return  # a host value, or a step traced inside the user's own jit/scan
-    # One array per step is enough: an XLA CPU execution makes all its outputs ready at once.
-    _queue.append(last)
-    while len(_queue) > MAX_IN_FLIGHT:
+def track_array(x) -> None:
+    """Remember one output array of a step just dispatched; wait on the oldest past the bound.
+
+    One array per step is enough: an XLA CPU execution makes all its outputs ready at once.
+    """
+    if isinstance(x, Tracer):
+        return  # a step traced inside the user's own jit/scan: nothing was dispatched
+    _queue.append(x)
+    if len(_queue) > MAX_IN_FLIGHT:
         oldest = _queue.popleft()
         if not oldest.is_deleted():  # donated into a later step, which ran after it
             oldest.block_until_ready()
+
+
+def track(outputs) -> None:
+    """``track_array`` for the last array leaf of ``outputs`` (host values are ignored)."""
+    leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+    if leaves:
+        track_array(leaves[-1])
 
 
 def drain() -> None:

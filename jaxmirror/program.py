@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,25 @@ def wants_arguments(fn) -> bool:
         return False
     return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                for p in params)
+
+
+def _getters(path) -> tuple:
+    """Key path -> getters; a key we cannot follow cheaply gives a path that always falls back."""
+    getters = []
+    for key in path:
+        if isinstance(key, jax.tree_util.SequenceKey):
+            getters.append(operator.itemgetter(key.idx))
+        elif isinstance(key, jax.tree_util.DictKey):
+            getters.append(operator.itemgetter(key.key))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            getters.append(operator.attrgetter(key.name))
+        else:
+            return (_no_path,)
+    return tuple(getters)
+
+
+def _no_path(_):
+    raise LookupError("no cheap path to an output array")
 
 
 def check_can_run(strategy) -> None:
@@ -73,7 +93,8 @@ class Program:
         self._fn = fn
         self.trace_count = 0  # how often the user's function was traced
         self.compile_count = 0  # how often jax.jit traced (and so compiled) this program
-        self._traced = {}  # abstract input signature -> (jaxpr, out_tree, out_varying)
+        self._traced = {}  # abstract input signature -> (jaxpr, out_tree, out_varying, handle)
+        self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended._bound_in_flight
         self._jitted = jax.jit(self._trace, donate_argnums=donate_argnums)
         self.__wrapped__ = fn
@@ -94,8 +115,18 @@ class Program:
         check_can_run(self._strategy)
         out, token = self._jitted(*args, **kwargs)
         if self._track:
-            _inflight.track(out if token is None else token)
+            _inflight.track_array(token if token is not None else self._handle(out))
         return out
+
+    def _handle(self, out):
+        """One output array of this call, found without flattening ``out`` (DESIGN: hot path)."""
+        try:
+            for getter in self._handle_path:
+                out = getter(out)
+            return out.stacked if isinstance(out, PerReplica) else out
+        except Exception:  # another signature's output structure: fall back to flattening
+            leaves = jax.tree.leaves(out)
+            return leaves[-1] if leaves else None
 
     def __repr__(self) -> str:
         return f"<jaxmirror step {self.__name__} on {self._strategy!r}>"
@@ -118,7 +149,7 @@ class Program:
             per_replica_program = self._trace_user_function(in_tree, stacked, flat)
             if not any(_compat.is_tracer(c) for c in per_replica_program[0].consts):
                 self._traced[key] = per_replica_program
-        traced, out_tree, out_varying = per_replica_program
+        traced, out_tree, out_varying, self._handle_path = per_replica_program
         (eqn,) = traced.jaxpr.eqns  # the shard_map, fed by consts and our flat inputs
         env = dict(zip(traced.jaxpr.constvars, traced.consts))
         env.update(zip(traced.jaxpr.invars, flat))
@@ -142,7 +173,7 @@ class Program:
         ext = self._strategy.extended
         axis = ext.axis_name
         in_specs = tuple(P(axis) if s else P() for s in stacked)
-        out_tree = []
+        out_tree, handle = [], []
 
         def per_replica_body(*local):
             local = [x.reshape(x.shape[1:]) if s else x for x, s in zip(local, stacked)]
@@ -151,8 +182,11 @@ class Program:
             with context.pushed(context.Entry(self._strategy, ctx, in_run=True)):
                 result = self._fn(*a, **k)
             with_paths, tree = jax.tree_util.tree_flatten_with_path(result)
+            outs = [_as_output_array(x, path) for path, x in with_paths]
             out_tree.append(tree)
-            return [_as_output_array(x, path)[None] for path, x in with_paths]
+            smallest = min(range(len(outs)), key=lambda i: outs[i].size, default=None)
+            handle.append(() if smallest is None else _getters(with_paths[smallest][0]))
+            return [x[None] for x in outs]
 
         traced = jax.make_jaxpr(
             _compat.shard_map(per_replica_body, ext.mesh, in_specs, P(axis))
@@ -164,4 +198,4 @@ class Program:
             out_varying = replication.analyse(inner, in_varying)
         else:
             out_varying = [False] * len(inner.outvars)
-        return traced, out_tree[0], out_varying
+        return traced, out_tree[0], out_varying, handle[0]

@@ -84,8 +84,10 @@ class StrategyExtended:
         self._num_replicas = len(self._devices)
         local = [d for d in self._devices if d.process_index == jax.process_index()]
         self._num_local_replicas = len(local)
-        # XLA's CPU collectives deadlock past ~32 queued steps; GPUs queue safely.
-        self._bound_in_flight = any(d.platform == "cpu" for d in self._devices)
+        # XLA's CPU collectives deadlock past ~32 queued steps; GPUs queue safely, and one
+        # device has no collectives to deadlock.
+        self._bound_in_flight = (len(self._devices) > 1
+                                 and any(d.platform == "cpu" for d in self._devices))
         self.replicated_sharding = NamedSharding(self._mesh, P())
         self.replica_sharding = NamedSharding(self._mesh, P(AXIS_NAME))
 

@@ -371,3 +371,24 @@ def test_compile_count_sees_placement_only_rebuilds_without_retracing():
     q = placed(jax.device_put(np.zeros(3, np.float32), s.extended.replicated_sharding))
     placed(placed(q))
     assert (placed.trace_count, placed.compile_count) == (1, 1)
+
+
+def test_in_flight_handle_is_the_smallest_output_found_without_flattening():
+    _inflight.drain()
+    s = mirrored(4)
+    x = per_replica(s, lambda i: np.float32(i))
+
+    @s.run
+    def step(params, x):
+        return {"params": params + 1, "metrics": (x * 2, jm.get_replica_context().all_reduce("sum", x))}
+
+    out = step(jnp.zeros((64, 64)), x)
+    assert _inflight._queue[-1] is out["metrics"][0].stacked  # 4 floats beat a 64x64 array
+    out = step(jnp.zeros((64, 64)), x)
+    assert _inflight._queue[-1] is out["metrics"][0].stacked
+
+
+def test_one_device_is_not_bounded():
+    assert not jm.OneDeviceStrategy("CPU:0").extended._bound_in_flight
+    assert not mirrored(1).extended._bound_in_flight
+    assert mirrored(2).extended._bound_in_flight
