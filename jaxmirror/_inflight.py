@@ -22,8 +22,8 @@ def track_array(x) -> None:
 
     One array per step is enough: an XLA CPU execution makes all its outputs ready at once.
     """
-    if isinstance(x, Tracer):
-        return  # a step traced inside the user's own jit/scan: nothing was dispatched
+    if x is None or isinstance(x, Tracer):
+        return  # no array, or a step traced inside the user's own jit/scan: nothing dispatched
     _queue.append(x)
     if len(_queue) > MAX_IN_FLIGHT:
         oldest = _queue.popleft()

@@ -168,7 +168,13 @@ class Program:
         return jax.tree.unflatten(out_tree, outs), token
 
     def _trace_user_function(self, in_tree, stacked, flat):
-        """Trace the user's function once per replica; return (jaxpr, out_tree, out_varying)."""
+        """Trace the user's function once per replica.
+
+        Returns:
+            ``(jaxpr, out_tree, out_varying, handle_path)``: the closed jaxpr holding one
+            ``shard_map``, the output structure, which outputs vary across replicas, and the
+            getters leading to the smallest output (for the in-flight bound).
+        """
         self.trace_count += 1
         ext = self._strategy.extended
         axis = ext.axis_name

@@ -119,7 +119,7 @@ class StrategyExtended:
 
     @property
     def experimental_require_static_shapes(self) -> bool:
-        """False: callers need not drop partial batches; jaxmirror keeps shapes static itself."""
+        """False, as for TF's MirroredStrategy (every program is still compiled for static shapes)."""
         return False
 
     def call_for_each_replica(self, fn, args=(), kwargs=None):
