@@ -24,11 +24,12 @@ class Entry(NamedTuple):
 
 def default_strategy():
     """The strategy in force when none is: one replica on JAX's default device."""
-    if "strategy" not in _default:
+    try:
+        return _default["strategy"]
+    except KeyError:
         from jaxmirror.strategies.default import DefaultStrategy
 
-        _default["strategy"] = DefaultStrategy()
-    return _default["strategy"]
+        return _default.setdefault("strategy", DefaultStrategy())
 
 
 def _stack() -> list:
@@ -42,7 +43,10 @@ def _stack() -> list:
 
 
 def current() -> Entry:
-    return _stack()[-1]
+    try:  # the hot path of every `run` call comes through here
+        return _local.stack[-1]
+    except AttributeError:
+        return _stack()[-1]
 
 
 @contextlib.contextmanager
