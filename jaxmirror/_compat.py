@@ -26,13 +26,6 @@ def shard_map(fn, mesh, in_specs, out_specs):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def is_tracing() -> bool:
-    """True while some JAX transformation (jit, grad, scan, ...) is tracing on this thread."""
-    from jax._src import core as _core  # no public spelling of this in 0.10
-
-    return not _core.trace_state_clean()
-
-
 def is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
@@ -56,6 +49,6 @@ def backend_started() -> bool:
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "abstract_key", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec",
-    "backend_started", "is_tracer", "is_tracing", "jaxpr_as_fun", "jaxprs_in_params",
+    "backend_started", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
     "make_mesh", "set_cpu_device_count", "shard_map",
 ]

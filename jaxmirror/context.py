@@ -37,7 +37,7 @@ def _stack() -> list:
         return _local.stack
     except AttributeError:
         s = default_strategy()
-        _local.stack = [Entry(s, s.extended._default_replica_context())]
+        _local.stack = [Entry(s, s.extended._replica_context())]
         _local.global_scope = None
         return _local.stack
 

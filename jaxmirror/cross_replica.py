@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from jaxmirror import _compat, context
 from jaxmirror.reduce_op import ReduceOp, as_reduce_op
-from jaxmirror.values import DistributedValues, Mirrored, PerReplica, components, is_distributed
+from jaxmirror.values import Mirrored, PerReplica, components, is_distributed
 
 PER_REPLICA, MIRRORED, PLAIN = "per_replica", "mirrored", "plain"
 
@@ -163,4 +163,4 @@ def gather(strategy, value, axis):
     return jax.tree.map(lambda x: _gather_leaf(strategy, x, axis), value, is_leaf=is_distributed)
 
 
-__all__ = ["DistributedValues", "gather", "kind", "local_results", "reduce", "reduce_single"]
+__all__ = ["gather", "kind", "local_results", "reduce", "reduce_single"]

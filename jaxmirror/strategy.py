@@ -182,7 +182,6 @@ class Strategy:
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
         self._programs: collections.OrderedDict = collections.OrderedDict()
-        self._scope_depth = 0
 
     # -- properties -------------------------------------------------------------------------
     @property

@@ -31,10 +31,9 @@ class _DirectCall:
 
 
 class _DefaultExtended(StrategyExtended):
-    def _default_replica_context(self) -> ReplicaContext:
+    def _replica_context(self) -> ReplicaContext:
+        # The default replica context: replica 0 of 1, collectives return their input.
         return ReplicaContext(self._container_strategy_ref, replica_id_in_sync_group=0)
-
-    _replica_context = _default_replica_context
 
 
 class DefaultStrategy(Strategy):
