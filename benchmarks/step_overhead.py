@@ -309,14 +309,54 @@ def bench_case(case: Case, args, steps: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 # --breakdown: where jaxmirror's per-call host time goes (Program.__call__'s pieces)
 # ----------------------------------------------------------------------------------------------
+def _shuffled_rounds(timers: dict, rounds: int) -> dict:
+    """Call each timer once per round, in a fresh random order each round, with GC off.
+
+    Args:
+        timers: name -> a zero-argument callable returning seconds.
+        rounds: how many rounds.
+
+    Returns:
+        name -> the list of seconds, one per round.
+    """
+    rng = random.Random(0)
+    times = {name: [] for name in timers}
+    order = list(timers)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            rng.shuffle(order)
+            for name in order:
+                times[name].append(timers[name]())
+    finally:
+        gc.enable()
+        _inflight.drain()
+    return times
+
+
+def _one_call(fn) -> float:
+    """Seconds to return from one call of ``fn`` on an idle machine; then waits and drains."""
+    t0 = time.perf_counter()
+    out = fn()
+    t = time.perf_counter() - t0
+    jax.block_until_ready(out)
+    _inflight.drain()
+    return t
+
+
 def _per_call(fn, number: int, repeat: int) -> float:
     """Median over `repeat` of the seconds per call of `fn()` called `number` times."""
     runs = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        runs.append((time.perf_counter() - t0) / number)
+    gc.disable()  # as timeit does
+    try:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            runs.append((time.perf_counter() - t0) / number)
+    finally:
+        gc.enable()
     return statistics.median(runs)
 
 
@@ -342,24 +382,10 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         "jaxmirror: strategy.run(fn, args=...)":
             lambda: strategy.run(prog.fn, args=(params, opt_state, x, y)),
     }
-    rng = random.Random(0)
-    times = {k: [] for k in forms}
-    rows = []
-    gc.collect()
-    gc.disable()
+    times = _shuffled_rounds({k: functools.partial(_one_call, f) for k, f in forms.items()},
+                             samples)
+    rows = [(k, statistics.median(v)) for k, v in times.items()]
     try:
-        order = list(forms)
-        for _ in range(samples):
-            rng.shuffle(order)
-            for k in order:
-                t0 = time.perf_counter()
-                out = forms[k]()
-                t = time.perf_counter() - t0
-                jax.block_until_ready(out)
-                _inflight.drain()
-                times[k].append(t)
-        rows += [(k, statistics.median(v)) for k, v in times.items()]
-
         out = prog(params, opt_state, x, y)
         jax.block_until_ready(out)
         _inflight.drain()
@@ -400,7 +426,6 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         rows.append(("  piece: 2 PerReplica args vs 2 arrays through jax.jit (extra)",
                      wrapped_t - plain_t))
     finally:
-        gc.enable()
         _inflight.drain()
     return rows
 
@@ -429,19 +454,8 @@ def ablation(case: Case, rounds: int, steps: int) -> list[tuple[str, float, floa
     loops[-1].i = case.base.i
     loops[-1](2)
     jax.block_until_ready([loop.state for loop in loops])
-    rng = random.Random(0)
-    times = {loop.name: [] for loop in loops}
-    gc.collect()
-    gc.disable()
-    try:
-        order = list(loops)
-        for _ in range(rounds):
-            rng.shuffle(order)
-            for loop in order:
-                times[loop.name].append(_timed(loop, steps))
-    finally:
-        gc.enable()
-        _inflight.drain()
+    times = _shuffled_rounds({loop.name: functools.partial(_timed, loop, steps) for loop in loops},
+                             rounds)
     base = times["baseline"]
     return [(loop.name, statistics.median(times[loop.name]),
              statistics.median([a / b for a, b in zip(times[loop.name], base)])) for loop in loops]
