@@ -27,20 +27,29 @@ from jaxmirror.cross_device_ops import (
 )
 from jaxmirror.input import DistributedDataset, DistributedIterator
 from jaxmirror.losses import compute_average_loss
-from jaxmirror.reduce_op import ReduceOp
+from jaxmirror.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
 from jaxmirror.replica_context import ReplicaContext
 from jaxmirror.strategies.mirrored import MirroredStrategy
 from jaxmirror.strategies.one_device import OneDeviceStrategy
 from jaxmirror.strategy import RunOptions, Strategy, StrategyExtended
 from jaxmirror.values import DistributedValues, Mirrored, PerReplica
+from jaxmirror.variables import (
+    MirroredVariable,
+    SyncOnReadVariable,
+    Variable,
+    assign_values,
+    read_values,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CrossDeviceOps", "DistributedDataset", "DistributedIterator", "DistributedValues",
-    "HierarchicalCopyAllReduce", "Mirrored", "MirroredStrategy", "NcclAllReduce",
-    "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice", "ReplicaContext",
-    "RunOptions", "Strategy", "StrategyExtended", "compute_average_loss",
-    "experimental", "experimental_set_strategy", "get_cross_replica_context",
-    "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
+    "HierarchicalCopyAllReduce", "Mirrored", "MirroredStrategy", "MirroredVariable",
+    "NcclAllReduce", "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice",
+    "ReplicaContext", "RunOptions", "Strategy", "StrategyExtended", "SyncOnReadVariable",
+    "Variable", "VariableAggregation", "VariableSynchronization", "assign_values",
+    "compute_average_loss", "experimental", "experimental_set_strategy",
+    "get_cross_replica_context", "get_replica_context", "get_strategy", "has_strategy",
+    "in_cross_replica_context", "read_values",
 ]

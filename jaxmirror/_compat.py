@@ -36,6 +36,13 @@ def abstract_key(x):
     return (aval.shape, aval.dtype, getattr(aval, "weak_type", False))
 
 
+def trace_state_clean() -> bool:
+    """False while a JAX transformation (jit, grad, scan, ...) is tracing."""
+    from jax._src import core  # no public spelling of this in 0.10
+
+    return core.trace_state_clean()
+
+
 def set_cpu_device_count(n: int) -> None:
     """Ask XLA for ``n`` host-platform devices; only possible before the backend starts."""
     jax.config.update("jax_num_cpu_devices", n)
@@ -50,5 +57,5 @@ def backend_started() -> bool:
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "abstract_key", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec",
     "backend_started", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
-    "make_mesh", "set_cpu_device_count", "shard_map",
+    "make_mesh", "set_cpu_device_count", "shard_map", "trace_state_clean",
 ]

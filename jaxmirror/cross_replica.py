@@ -8,6 +8,10 @@ A leaf is one of three kinds:
 * mirrored: a ``Mirrored`` wrapper, or a concrete ``jax.Array`` replicated over exactly the
   strategy's devices: N identical components;
 * plain: anything else, which counts as "not distributed" (TF's rules for those apply).
+
+A distributed variable counts as the distributed value it holds (``_view``): a mirrored one as
+mirrored, a sync-on-read one as its components. Inside a ``merge_fn`` a per-replica value is a
+``GatheredPerReplica``: reducing it is one all-reduce of this replica's component.
 """
 
 from __future__ import annotations
@@ -15,9 +19,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax import lax
+
 from jaxmirror import _compat, context
 from jaxmirror.reduce_op import ReduceOp, as_reduce_op
-from jaxmirror.values import Mirrored, PerReplica, components, is_distributed
+from jaxmirror.values import GatheredPerReplica, Mirrored, PerReplica, components, is_distributed
+
+
+def views(value):
+    """``value`` with every distributed variable replaced by the distributed value it holds."""
+    from jaxmirror.variables import Variable
+
+    return jax.tree.map(lambda x: x._view() if isinstance(x, Variable) else x, value,
+                        is_leaf=is_distributed)
 
 PER_REPLICA, MIRRORED, PLAIN = "per_replica", "mirrored", "plain"
 
@@ -61,6 +75,7 @@ def _norm_axis(axis, rank: int, method: str) -> int:
 
 def local_results(strategy, value) -> tuple:
     """``experimental_local_results``: a tuple of this process's per-replica values."""
+    value = views(value)
     leaves, tree = jax.tree.flatten(value, is_leaf=is_distributed)
     if not any(kind(strategy, x) != PLAIN for x in leaves):
         return (value,)
@@ -79,6 +94,8 @@ def local_results(strategy, value) -> tuple:
 
 def _reduce_leaf(strategy, op: ReduceOp, x, axis):
     n = strategy.num_replicas_in_sync
+    if isinstance(x, GatheredPerReplica):
+        return _reduce_gathered(op, x, axis, n)
     k = kind(strategy, x)
     if k == PER_REPLICA:
         stacked = x.stacked
@@ -102,10 +119,24 @@ def _reduce_leaf(strategy, op: ReduceOp, x, axis):
     return n * v
 
 
-def reduce(strategy, reduce_op, value, axis):
-    """``Strategy.reduce`` for a strategy with more than one replica (see ``Strategy.reduce``)."""
+def _reduce_gathered(op: ReduceOp, x: GatheredPerReplica, axis, n: int):
+    local = jnp.asarray(x.local)
+    count = n
+    if axis is not None:
+        ax = _norm_axis(axis, local.ndim, "reduce")
+        count = n * local.shape[ax]
+        local = local.sum(ax)
+    if op is ReduceOp.MEAN and not jnp.issubdtype(local.dtype, jnp.inexact):
+        local = local.astype(jnp.result_type(float))  # as jnp.mean does on the host
+    total = lax.psum(local, x.axis_name)
+    return total if op is ReduceOp.SUM else total / count
+
+
+def reduce(strategy, reduce_op, value, axis, method: str = "reduce"):
+    """``Strategy.reduce`` (see there); ``method`` names the caller in errors."""
     op = as_reduce_op(reduce_op)
-    require_cross_replica(strategy, "reduce")
+    require_cross_replica(strategy, method)
+    value = views(value)
     if strategy.num_replicas_in_sync == 1:
         return reduce_single(op, value, axis)
     return jax.tree.map(lambda x: _reduce_leaf(strategy, op, x, axis), value, is_leaf=is_distributed)
@@ -152,6 +183,7 @@ def _gather_leaf(strategy, x, axis):
 def gather(strategy, value, axis):
     """``Strategy.gather``: each leaf's components concatenated along ``axis``."""
     require_cross_replica(strategy, "gather")
+    value = views(value)
     if strategy.num_replicas_in_sync == 1:
         def leaf(x):
             v = jnp.asarray(_single_component(x))

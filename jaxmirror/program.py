@@ -23,9 +23,10 @@ import operator
 import jax
 import jax.numpy as jnp
 
-from jaxmirror import _compat, _inflight, context, replication
+from jaxmirror import _compat, _inflight, binding, context, replication
 from jaxmirror._compat import P
 from jaxmirror.values import Mirrored, PerReplica, is_distributed, is_per_replica
+from jaxmirror.variables import Variable
 
 
 def _as_output_array(x, where):
@@ -96,7 +97,11 @@ class Program:
         self._traced = {}  # abstract input signature -> (jaxpr, out_tree, out_varying, handle)
         self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended._bound_in_flight
-        self._jitted = jax.jit(self._trace, donate_argnums=donate_argnums)
+        self._stateful = False  # the step uses variables (by argument or closure)
+        self._captured = ()  # variables the step reaches by closure, found while tracing
+        # jit arguments: (variable binding (static), captured variables' arrays, *args, **kwargs)
+        self._jitted = jax.jit(self._trace, static_argnums=0,
+                               donate_argnums=tuple(i + 2 for i in donate_argnums))
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -113,7 +118,48 @@ class Program:
 
     def __call__(self, *args, **kwargs):
         check_can_run(self._strategy)
-        out, token = self._jitted(*args, **kwargs)
+        if self._stateful:
+            return self._call_with_variables(args, kwargs)
+        try:
+            out, token, _ = self._jitted(None, (), *args, **kwargs)
+        except _Discovered as found:  # the step reads variables by closure
+            self._captured = found.variables
+            self._stateful = True
+            return self._call_with_variables(args, kwargs)
+        except (TypeError, ValueError):  # jax.jit refuses Variable arguments
+            if not any(isinstance(x, Variable)
+                       for x in jax.tree.leaves((args, kwargs), is_leaf=is_distributed)):
+                raise
+            self._stateful = True
+            return self._call_with_variables(args, kwargs)
+        if self._track:
+            _inflight.track_array(token if token is not None else self._handle(out))
+        return out
+
+    def _call_with_variables(self, args, kwargs):
+        """The call of a step that uses variables: their arrays go in, their new arrays come out."""
+        if not _compat.trace_state_clean():
+            raise RuntimeError(
+                f"{self.__name__}: a step that uses jaxmirror Variables cannot be called inside "
+                f"jax.jit, jax.grad or lax.scan (its assignments would be lost). Call it directly, "
+                f"or pass arrays instead of variables."
+            )
+        leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
+        positions, arg_vars = [], []
+        for i, x in enumerate(leaves):
+            if isinstance(x, Variable):
+                positions.append(i)
+                arg_vars.append(x)
+                leaves[i] = x._state
+        captured = self._captured
+        key = (tuple(positions), tuple(arg_vars), captured)
+        a, k = jax.tree.unflatten(tree, leaves)
+        try:
+            out, token, writes = self._jitted(key, tuple(v._state for v in captured), *a, **k)
+        except _Discovered as found:
+            self._captured = captured + found.variables
+            return self._call_with_variables(args, kwargs)
+        writes.apply()  # the call succeeded: now every assignment takes effect
         if self._track:
             _inflight.track_array(token if token is not None else self._handle(out))
         return out
@@ -132,24 +178,26 @@ class Program:
         return f"<jaxmirror step {self.__name__} on {self._strategy!r}>"
 
     # -- trace time only -------------------------------------------------------------------
-    def _trace(self, *args, **kwargs):
+    def _trace(self, bound, captured_states, *args, **kwargs):
         self.compile_count += 1
         ext = self._strategy.extended
         axis = ext.axis_name
         leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
+        n_args = len(leaves)
+        leaves += list(captured_states)
         stacked = tuple(is_per_replica(x) for x in leaves)
         # Each replica sees a PerReplica's own component and a Mirrored's value.
         flat = [x.stacked if s else (x.value if isinstance(x, Mirrored) else x)
                 for x, s in zip(leaves, stacked)]
         # jax.jit retraces when only the inputs' placement changed (host arrays on the first
         # call, mesh-replicated ones after it); the user's function must not run again for that.
-        key = (in_tree, stacked, tuple(_compat.abstract_key(x) for x in flat))
+        key = (in_tree, stacked, tuple(_compat.abstract_key(x) for x in flat), bound)
         per_replica_program = self._traced.get(key)
         if per_replica_program is None:
-            per_replica_program = self._trace_user_function(in_tree, stacked, flat)
+            per_replica_program = self._trace_user_function(in_tree, n_args, stacked, flat, bound)
             if not any(_compat.is_tracer(c) for c in per_replica_program[0].consts):
                 self._traced[key] = per_replica_program
-        traced, out_tree, out_varying, self._handle_path = per_replica_program
+        traced, out_tree, out_varying, self._handle_path, written = per_replica_program
         (eqn,) = traced.jaxpr.eqns  # the shard_map, fed by consts and our flat inputs
         env = dict(zip(traced.jaxpr.constvars, traced.consts))
         env.update(zip(traced.jaxpr.invars, flat))
@@ -163,35 +211,69 @@ class Program:
         out_specs = [P(axis) if vary else P() for vary in out_varying]
         outs = _compat.shard_map(emit, ext.mesh, eqn.params["in_specs"], out_specs)(*operands)
         outs = [PerReplica(o) if vary else o for o, vary in zip(outs, out_varying)]
+        n_out = len(outs) - len(written)
+        results, new_states = outs[:n_out], outs[n_out:]
         # A step with no outputs still queues collectives: give the in-flight bound a handle.
-        token = None if outs else jnp.zeros((), jnp.int32)
-        return jax.tree.unflatten(out_tree, outs), token
+        token = None if results else jnp.zeros((), jnp.int32)
+        return jax.tree.unflatten(out_tree, results), token, _Writes(written, tuple(new_states))
 
-    def _trace_user_function(self, in_tree, stacked, flat):
+    def _trace_user_function(self, in_tree, n_args, stacked, flat, bound):
         """Trace the user's function once per replica.
 
+        Args:
+            in_tree: the structure of ``(args, kwargs)``.
+            n_args: how many of the flat inputs are the user's (the rest are captured
+                variables' arrays).
+            stacked: which flat inputs are replica-stacked.
+            flat: the flat input arrays.
+            bound: ``None``, or ``(positions, variables, captured)``: the flat positions at
+                which the user passed variables, those variables, and the variables the step
+                reaches by closure (their arrays follow the user's inputs).
+
         Returns:
-            ``(jaxpr, out_tree, out_varying, handle_path)``: the closed jaxpr holding one
-            ``shard_map``, the output structure, which outputs vary across replicas, and the
-            getters leading to the smallest output (for the in-flight bound).
+            ``(jaxpr, out_tree, out_varying, handle_path, written)``: the closed jaxpr holding
+            one ``shard_map``, the output structure, which outputs vary across replicas, the
+            getters leading to the smallest output (for the in-flight bound), and the variables
+            the step assigned (their new arrays are the last outputs).
+
+        Raises:
+            _Discovered: when the step reached variables it does not take as inputs yet.
         """
         self.trace_count += 1
-        ext = self._strategy.extended
+        strategy = self._strategy
+        ext = strategy.extended
         axis = ext.axis_name
+        n = ext._num_replicas
+        positions, arg_vars, captured = bound or ((), (), ())
         in_specs = tuple(P(axis) if s else P() for s in stacked)
-        out_tree, handle = [], []
+        out_tree, handle, written, force_varying = [], [], [], []
 
         def per_replica_body(*local):
             local = [x.reshape(x.shape[1:]) if s else x for x, s in zip(local, stacked)]
-            a, k = jax.tree.unflatten(in_tree, local)
+            frame = binding.Frame(strategy, axis, discover=True)
+            user = local[:n_args]
+            for pos, var in zip(positions, arg_vars):
+                var._check_usable_in(strategy)
+                frame.bind(var, local[pos], mirrored=not stacked[pos])
+                user[pos] = var
+            for j, var in enumerate(captured):
+                frame.bind(var, local[n_args + j], mirrored=not stacked[n_args + j])
+            a, k = jax.tree.unflatten(in_tree, user)
             ctx = ext._replica_context()
-            with context.pushed(context.Entry(self._strategy, ctx, in_run=True)):
+            with context.pushed(context.Entry(strategy, ctx, in_run=True)), binding.pushed(frame):
                 result = self._fn(*a, **k)
+            if frame.discovered:
+                raise _Discovered(tuple(frame.discovered))
             with_paths, tree = jax.tree_util.tree_flatten_with_path(result)
             outs = [_as_output_array(x, path) for path, x in with_paths]
             out_tree.append(tree)
             smallest = min(range(len(outs)), key=lambda i: outs[i].size, default=None)
             handle.append(() if smallest is None else _getters(with_paths[smallest][0]))
+            slots = frame.written()
+            written.append(tuple(s.var for s in slots))
+            # A sync-on-read variable keeps one component per replica, even when they agree.
+            force_varying.append([False] * len(outs) + [s.var._on_read and n > 1 for s in slots])
+            outs += [jnp.asarray(s.value) for s in slots]
             return [x[None] for x in outs]
 
         traced = jax.make_jaxpr(
@@ -199,9 +281,37 @@ class Program:
         )(*flat)
         (eqn,) = traced.jaxpr.eqns
         inner = eqn.params["jaxpr"]
-        if ext._num_replicas > 1:
+        if n > 1:
             in_varying = [spec != P() for spec in eqn.params["in_specs"]]
-            out_varying = replication.analyse(inner, in_varying)
+            analysed = replication.analyse(inner, in_varying)
+            out_varying = [a or f for a, f in zip(analysed, force_varying[0])]
         else:
             out_varying = [False] * len(inner.outvars)
-        return traced, out_tree[0], out_varying, handle[0]
+        return traced, out_tree[0], out_varying, handle[0], written[0]
+
+
+class _Discovered(Exception):
+    """Raised out of ``jax.jit`` when a trace met variables the program does not take yet."""
+
+    def __init__(self, variables: tuple):
+        super().__init__(f"{len(variables)} variable(s) captured by closure")
+        self.variables = variables
+
+
+class _Writes:
+    """The variables a call assigned and their new arrays (an output of the jitted program)."""
+
+    __slots__ = ("variables", "states")
+
+    def __init__(self, variables: tuple, states: tuple):
+        self.variables = variables
+        self.states = states
+
+    def apply(self) -> None:
+        for var, state in zip(self.variables, self.states):
+            var._state = state
+
+
+jax.tree_util.register_pytree_node(
+    _Writes, lambda w: (w.states, w.variables), lambda variables, states: _Writes(variables, tuple(states))
+)

@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxmirror import _compat, context
 from jaxmirror.reduce_op import ReduceOp, as_reduce_op
+from jaxmirror.values import GatheredPerReplica, Mirrored, PerReplica, is_distributed
 
 
 def _check_gather_axis(x, axis) -> int:
@@ -143,6 +145,90 @@ class ReplicaContext:
             lambda x: lax.all_gather(x, self._axis_name, axis=next(it), tiled=True), value
         )
 
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Run ``merge_fn`` once in cross-replica context with every replica's arguments.
+
+        ``merge_fn(strategy, *args, **kwargs)`` runs inside the same compiled program, once per
+        trace (not once per replica): arrays computed in the replica arrive as ``PerReplica``
+        values (one component per replica) whose ``experimental_local_results``, ``reduce`` and
+        ``gather`` work there; variables arrive as themselves; Python values as they are. The
+        result goes back to every replica; a ``PerReplica`` in it gives each replica its own
+        component, a ``Mirrored`` its value. In the default replica context (no strategy)
+        ``merge_fn`` gets the default strategy and the arguments unchanged.
+
+        Args:
+            merge_fn: called as ``merge_fn(strategy, *args, **kwargs)``.
+            args: a tuple or list of positional arguments.
+            kwargs: a dict of keyword arguments.
+
+        Returns:
+            ``merge_fn``'s result, with per-replica values unpacked for this replica.
+
+        Raises:
+            TypeError: when ``merge_fn`` is not callable.
+            ValueError: when ``args`` is not a list or tuple or ``kwargs`` not a dict.
+            RuntimeError: outside this replica context (e.g. from inside a ``merge_fn``).
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> def merge_fn(strategy, x):
+            ...     return strategy.reduce("sum", x, axis=None)
+            >>> def step():
+            ...     ctx = jaxmirror.get_replica_context()
+            ...     return ctx.merge_call(merge_fn, args=(jnp.float32(ctx.replica_id_in_sync_group + 1),))
+            >>> float(s.run(step))
+            3.0
+        """
+        if not callable(merge_fn):
+            raise TypeError(f"merge_call: `merge_fn` must be callable; got {merge_fn!r}.")
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"merge_call: positional args must be a list or tuple, got {type(args)}.")
+        if kwargs is None:
+            kwargs = {}
+        elif not isinstance(kwargs, dict):
+            raise ValueError(f"merge_call: kwargs must be a dict, got {type(kwargs)}.")
+        entry = context.current()
+        if entry.replica_context is not self:
+            raise RuntimeError(
+                "merge_call was called outside the replica context it belongs to: call it inside "
+                "the step function `run` is running (not inside a merge_fn, which already runs "
+                "in cross-replica context, and not after `run` returned)."
+            )
+        strategy = self._strategy
+        distributed = self._axis_name is not None and self.num_replicas_in_sync > 1
+        if distributed:
+            args, kwargs = jax.tree.map(self._lift, (tuple(args), kwargs), is_leaf=_is_opaque)
+        with context.pushed(context.Entry(strategy, None, in_run=entry.in_run)):
+            result = merge_fn(strategy, *args, **kwargs)
+        if distributed:
+            result = jax.tree.map(self._lower, result, is_leaf=_is_opaque)
+        return result
+
+    def _lift(self, x):
+        """A replica-context array as the PerReplica ``merge_fn`` sees."""
+        if isinstance(x, jax.Array) or _compat.is_tracer(x):
+            return GatheredPerReplica(x, self._axis_name)
+        return x
+
+    def _lower(self, x):
+        """A ``merge_fn`` result as this replica's value."""
+        if isinstance(x, GatheredPerReplica):
+            return x.local
+        if isinstance(x, PerReplica):
+            return lax.dynamic_index_in_dim(x.stacked, lax.axis_index(self._axis_name), 0,
+                                            keepdims=False)
+        if isinstance(x, Mirrored):
+            return x.value
+        return x
+
     def __repr__(self) -> str:
         return (f"ReplicaContext(strategy={self._strategy!r}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+def _is_opaque(x) -> bool:
+    """Leaves ``merge_call`` hands over whole: distributed values and variables."""
+    from jaxmirror.variables import Variable
+
+    return is_distributed(x) or isinstance(x, Variable)

@@ -75,6 +75,8 @@ class StrategyExtended:
         {'replica': 2}
     """
 
+    _distributed_variables = True  # variables made in scope are Mirrored/SyncOnRead ones
+
     def __init__(self, container_strategy, devices, parameter_devices=None):
         self._container_strategy_ref = container_strategy
         self._devices = tuple(devices)
@@ -143,7 +145,253 @@ class StrategyExtended:
         """
         return self._container_strategy_ref.run(fn, args=args, kwargs=kwargs)
 
+    # -- variables and their locality (TF's StrategyExtended page) ------------------------
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """Reduce ``value`` across replicas and place the result at ``destinations``.
+
+        Cross-replica context only (eagerly, or inside a ``merge_call``'s ``merge_fn``). To
+        all-reduce, pass the same value as ``value`` and ``destinations``. If ``destinations`` is
+        a variable the result goes to its devices; the variable is not changed.
+
+        Args:
+            reduce_op: a ``ReduceOp`` (or its name), or ``VariableAggregation.SUM``/``MEAN``.
+            value: a ``PerReplica``/Mirrored value, a variable, or an array.
+            destinations: a variable, a distributed value, an array, or a device string.
+            options: accepted for TF compatibility (XLA picks the collective).
+
+        Returns:
+            The reduced value: replicated over the strategy's devices for a distributed
+            destination, on one device for a device string.
+
+        Raises:
+            ValueError: for empty ``destinations``, a bad reduce op, or a non-distributed value
+                with SUM on several replicas.
+            RuntimeError: in a replica context.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     v = jaxmirror.Variable(0.0)
+            >>> def step_fn(var):
+            ...     def merge_fn(strategy, value, var):
+            ...         reduced = strategy.extended.reduce_to("sum", value, destinations=var)
+            ...         strategy.extended.update(var, lambda var, value: var.assign(value),
+            ...                                  args=(reduced,))
+            ...     jaxmirror.get_replica_context().merge_call(merge_fn, args=(jnp.asarray(1.0), var))
+            >>> _ = s.run(step_fn, args=(v,))
+            >>> v
+            MirroredVariable:{
+              0: <jaxmirror.Variable 'Variable:0' shape=() dtype=float32, numpy=array(2., dtype=float32)>,
+              1: <jaxmirror.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy=array(2., dtype=float32)>
+            }
+        """
+        del options
+        from jaxmirror import updates
+
+        return self._track(updates.reduce_to(self._container_strategy_ref, reduce_op, value,
+                                             destinations))
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """``reduce_to`` for several ``(value, destinations)`` pairs at once.
+
+        Args:
+            reduce_op: a ``ReduceOp`` (or its name), or ``VariableAggregation.SUM``/``MEAN``.
+            value_destination_pairs: a list of ``(value, destinations)`` pairs.
+            options: accepted for TF compatibility.
+
+        Returns:
+            A list with one reduced value per pair.
+
+        Raises:
+            ValueError: when a pair is malformed, and as ``reduce_to``.
+            RuntimeError: in a replica context.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     v = jaxmirror.Variable(0.0)
+            >>> def step_fn(var):
+            ...     def merge_fn(strategy, value, var):
+            ...         reduced = strategy.extended.batch_reduce_to("sum", [(value, var)])[0]
+            ...         strategy.extended.update(var, lambda var, value: var.assign(value),
+            ...                                  args=(reduced,))
+            ...     jaxmirror.get_replica_context().merge_call(merge_fn, args=(jnp.asarray(1.0), var))
+            >>> _ = s.run(step_fn, args=(v,))
+            >>> float(v.numpy())
+            2.0
+        """
+        del options
+        from jaxmirror import updates
+
+        return self._track(updates.batch_reduce_to(self._container_strategy_ref, reduce_op,
+                                                   value_destination_pairs))
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        """Apply ``fn(component, *args, **kwargs)`` to every component of the variable ``var``.
+
+        Inside ``fn`` assignments to ``var`` (and to variables passed in ``args``) write the
+        component as given, with no aggregation. Mirrored arguments are unwrapped; a
+        ``PerReplica`` argument gives each component its own value. In a replica context (inside
+        ``run``) this goes through ``merge_call``, as in TF. Nothing is written unless ``fn``
+        succeeds on every component.
+
+        Args:
+            var: the variable to update.
+            fn: called as ``fn(var, *args, **kwargs)``; typically ``lambda v, x: v.assign(x)``.
+            args: a tuple or list of extra positional arguments.
+            kwargs: a dict of extra keyword arguments.
+            group: return the merged result (True) or a tuple of per-replica results (False).
+
+        Returns:
+            ``fn``'s result merged across replicas: ``Mirrored`` when it is the same on every
+            replica, ``PerReplica`` otherwise (plain with one replica). Variables in the result
+            are replaced by their values.
+
+        Raises:
+            ValueError: when ``var`` is not a variable of this strategy, or ``args``/``kwargs``
+                are malformed.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     v = jaxmirror.Variable(5.0, aggregation=jaxmirror.VariableAggregation.SUM)
+            >>> def update_fn(v):
+            ...     return v.assign(1.0)
+            >>> s.extended.update(v, update_fn)
+            Mirrored:{
+              0: Array(1., dtype=float32),
+              1: Array(1., dtype=float32)
+            }
+        """
+        from jaxmirror import updates
+
+        return updates.update(self._container_strategy_ref, var, fn, args, kwargs, group)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable):
+        """Create variables on the same devices as ``colocate_with_variable`` (inside ``scope()``).
+
+        Variables of a mirrored strategy all live on every replica's device, so this checks
+        its argument and changes nothing; code written for TF runs unchanged.
+
+        Args:
+            colocate_with_variable: a variable created in this strategy's scope.
+
+        Returns:
+            A context manager.
+
+        Raises:
+            ValueError: when the variable was not created in this strategy's scope.
+            RuntimeError: outside this strategy's scope.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     var1 = jaxmirror.Variable(1.0)
+            ...     with s.extended.colocate_vars_with(var1):
+            ...         var2 = jaxmirror.Variable(2.0)
+            ...         var3 = jaxmirror.Variable(3.0)
+            >>> def fn(v1, v2, v3):
+            ...     return v1.assign(v2 + v3)
+            >>> _ = s.extended.update(var1, fn, args=(var2, var3))
+            >>> float(var1.numpy())
+            5.0
+        """
+        strategy = self._container_strategy_ref
+        entry = context.current()
+        if entry.strategy is not strategy or entry.replica_context is not None:
+            raise RuntimeError("colocate_vars_with may only be used inside this strategy's "
+                               "`scope()` (cross-replica context).")
+        if not self.variable_created_in_scope(colocate_with_variable):
+            raise ValueError(f"colocate_vars_with: `colocate_with_variable` must be a variable "
+                             f"created in this strategy's scope; got {colocate_with_variable!r}.")
+        yield
+
+    def value_container(self, value):
+        """The container ``value`` belongs to: a variable is its own container.
+
+        Args:
+            value: a value returned by ``run``, or a variable created in ``scope()``.
+
+        Returns:
+            The distributed variable or value holding ``value``; ``value`` itself when it
+            belongs to none (arrays from ``run`` are their own containers in jaxmirror).
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     v = jaxmirror.Variable(1.0)
+            >>> s.extended.value_container(v) is v
+            True
+        """
+        return value
+
+    def variable_created_in_scope(self, v) -> bool:
+        """Whether the variable ``v`` was created while this strategy's scope was active.
+
+        Args:
+            v: a ``jaxmirror.Variable``.
+
+        Returns:
+            True for variables made inside ``scope()``, False otherwise.
+
+        Raises:
+            ValueError: when ``v`` is not a variable.
+
+        Example:
+            >>> import jaxmirror
+            >>> strategy = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with strategy.scope():
+            ...     v = jaxmirror.Variable(1.)
+            >>> strategy.extended.variable_created_in_scope(v)
+            True
+            >>> strategy.extended.variable_created_in_scope(jaxmirror.Variable(1.))
+            False
+        """
+        from jaxmirror.variables import Variable
+
+        if not isinstance(v, Variable):
+            raise ValueError(f"variable_created_in_scope: `v` must be a jaxmirror Variable; got "
+                             f"{type(v).__name__}.")
+        return v._strategy is self._container_strategy_ref
+
     # -- used by the rest of jaxmirror ----------------------------------------------------
+    def _variable_class(self, synchronization):
+        from jaxmirror.reduce_op import VariableSynchronization
+        from jaxmirror.variables import MirroredVariable, SyncOnReadVariable, Variable
+
+        if not self._distributed_variables:
+            return Variable
+        if synchronization is VariableSynchronization.ON_READ:
+            return SyncOnReadVariable
+        return MirroredVariable
+
+    def _initial_state(self, value, on_read: bool):
+        """A new variable's storage: replicated, or (sync-on-read) N stacked copies."""
+        if on_read and self._num_replicas > 1:
+            return self._stack_copies(value)
+        return self._replicate(value)
+
+    def _replicate(self, value):
+        """``value`` on every replica's device (one device: on it)."""
+        if self._num_replicas == 1:
+            return jax.device_put(value, self._devices[0])
+        return jax.device_put(value, self.replicated_sharding)
+
+    def _place_stacked(self, stacked):
+        return jax.device_put(stacked, self.replica_sharding)
+
+    def _stack_copies(self, value) -> PerReplica:
+        """N copies of ``value`` stacked along a new replica axis, one per replica."""
+        value = jax.numpy.asarray(value)
+        stacked = jax.numpy.broadcast_to(value, (self._num_replicas,) + value.shape)
+        return PerReplica(self._place_stacked(stacked))
+
     def _track(self, result):
         """Count ``result``'s computation against the CPU in-flight bound (reduce and gather
         run collectives too); returns ``result``."""

@@ -95,6 +95,49 @@ class PerReplica(DistributedValues):
         return self._stacked
 
 
+class GatheredPerReplica(PerReplica):
+    """A replica-context value seen from a ``merge_fn``: this replica's component, stacked on demand.
+
+    ``merge_call`` hands array arguments to ``merge_fn`` as these. Inside the SPMD program every
+    replica holds its own component; ``stacked`` all-gathers them (once, only if asked), and
+    ``reduce`` uses an all-reduce on the component instead, so the common "reduce the gradients
+    in merge_fn" costs what ``all_reduce`` costs.
+
+    Args:
+        local: this replica's component (a traced array).
+        axis_name: the replica axis of the running program.
+    """
+
+    __slots__ = ("_local", "_axis_name")
+
+    def __init__(self, local, axis_name: str):
+        super().__init__(None)
+        self._local = local
+        self._axis_name = axis_name
+
+    @property
+    def local(self):
+        """This replica's component."""
+        return self._local
+
+    @property
+    def axis_name(self) -> str:
+        return self._axis_name
+
+    @property
+    def stacked(self):
+        if self._stacked is None:
+            self._stacked = jax.lax.all_gather(self._local, self._axis_name)
+        return self._stacked
+
+    @property
+    def values(self) -> tuple:
+        return components(self.stacked)
+
+    def _payload(self):
+        return self._local
+
+
 class Mirrored(DistributedValues):
     """One value held identically by every replica (TF's ``Mirrored``).
 

@@ -27,4 +27,6 @@ class OneDeviceStrategy(Strategy):
 
     def __init__(self, device):
         dev = devices_lib.resolve(device, "device")
-        super().__init__(StrategyExtended(self, [dev]))
+        extended = StrategyExtended(self, [dev])
+        extended._distributed_variables = False  # TF: plain variables on the device
+        super().__init__(extended)
