@@ -182,8 +182,8 @@ class StrategyExtended:
             >>> _ = s.run(step_fn, args=(v,))
             >>> v
             MirroredVariable:{
-              0: <jaxmirror.Variable 'Variable:0' shape=() dtype=float32, numpy=array(2., dtype=float32)>,
-              1: <jaxmirror.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy=array(2., dtype=float32)>
+              0: <jaxmirror.Variable 'Variable:0' shape=() dtype=float32, numpy=2.0>,
+              1: <jaxmirror.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy=2.0>
             }
         """
         del options

@@ -492,8 +492,10 @@ class Variable:
         except Exception:  # traced, or not addressable from this process
             comps = [None] * self._num_replicas
         names = [f"{self._name}:0"] + [f"{self._name}/replica_{i}:0" for i in range(1, len(comps))]
-        return [f"<jaxmirror.Variable '{n}' shape={self._shape} dtype={self._dtype}, numpy={c!r}>"
-                for n, c in zip(names, comps)]
+        # As TF prints them: numpy=2.0 for a scalar, numpy=array([...], dtype=...) otherwise.
+        text = [repr(c.item()) if c is not None and c.ndim == 0 else repr(c) for c in comps]
+        return [f"<jaxmirror.Variable '{n}' shape={self._shape} dtype={self._dtype}, numpy={t}>"
+                for n, t in zip(names, text)]
 
     def _components(self) -> tuple:
         return (self._state,)
