@@ -2,6 +2,8 @@
 
 import pathlib
 
+import nbclient
+import nbformat
 import pytest
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
@@ -14,9 +16,6 @@ def test_there_is_a_notebook():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-
     nb = nbformat.read(path, as_version=4)
     # The kernel is a fresh process that inherits this process's environment, XLA_FLAGS with 8
     # host devices included (conftest.py). The notebooks call simulate_cpu_devices(8) first,
