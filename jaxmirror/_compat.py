@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax._src import core as _core  # trace_state_clean has no public spelling in 0.10
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -38,9 +39,7 @@ def abstract_key(x):
 
 def trace_state_clean() -> bool:
     """False while a JAX transformation (jit, grad, scan, ...) is tracing."""
-    from jax._src import core  # no public spelling of this in 0.10
-
-    return core.trace_state_clean()
+    return _core.trace_state_clean()
 
 
 def set_cpu_device_count(n: int) -> None:

@@ -98,6 +98,7 @@ class Program:
         self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended._bound_in_flight
         self._stateful = False  # the step uses variables (by argument or closure)
+        self._variable_args = False  # it was given variables as arguments
         self._captured = ()  # variables the step reaches by closure, found while tracing
         # jit arguments: (variable binding (static), captured variables' arrays, *args, **kwargs)
         self._jitted = jax.jit(self._trace, static_argnums=0,
@@ -127,10 +128,9 @@ class Program:
             self._stateful = True
             return self._call_with_variables(args, kwargs)
         except (TypeError, ValueError):  # jax.jit refuses Variable arguments
-            if not any(isinstance(x, Variable)
-                       for x in jax.tree.leaves((args, kwargs), is_leaf=is_distributed)):
+            if not _has_variables(args, kwargs):
                 raise
-            self._stateful = True
+            self._stateful = self._variable_args = True
             return self._call_with_variables(args, kwargs)
         if self._track:
             _inflight.track_array(token if token is not None else self._handle(out))
@@ -144,20 +144,20 @@ class Program:
                 f"jax.jit, jax.grad or lax.scan (its assignments would be lost). Call it directly, "
                 f"or pass arrays instead of variables."
             )
-        leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
-        positions, arg_vars = [], []
-        for i, x in enumerate(leaves):
-            if isinstance(x, Variable):
-                positions.append(i)
-                arg_vars.append(x)
-                leaves[i] = x._state
         captured = self._captured
-        key = (tuple(positions), tuple(arg_vars), captured)
-        a, k = jax.tree.unflatten(tree, leaves)
+        if self._variable_args:
+            key, a, k = _take_variables(args, kwargs, captured)
+        else:  # TF's usual style: variables by closure only, so no flattening per call
+            key, a, k = ((), (), captured), args, kwargs
         try:
             out, token, writes = self._jitted(key, tuple(v._state for v in captured), *a, **k)
         except _Discovered as found:
             self._captured = captured + found.variables
+            return self._call_with_variables(args, kwargs)
+        except (TypeError, ValueError):  # jax.jit refuses Variable arguments
+            if self._variable_args or not _has_variables(args, kwargs):
+                raise
+            self._variable_args = True
             return self._call_with_variables(args, kwargs)
         writes.apply()  # the call succeeded: now every assignment takes effect
         if self._track:
@@ -288,6 +288,29 @@ class Program:
         else:
             out_varying = [False] * len(inner.outvars)
         return traced, out_tree[0], out_varying, handle[0], written[0]
+
+
+def _has_variables(args, kwargs) -> bool:
+    return any(isinstance(x, Variable)
+               for x in jax.tree.leaves((args, kwargs), is_leaf=is_distributed))
+
+
+def _take_variables(args, kwargs, captured):
+    """Variables in the arguments replaced by their arrays, and the static binding key.
+
+    Returns:
+        ``((positions, variables, captured), args, kwargs)``: the flat positions of the
+        variables among the arguments' leaves, the variables, and the captured ones.
+    """
+    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
+    positions, variables = [], []
+    for i, x in enumerate(leaves):
+        if isinstance(x, Variable):
+            positions.append(i)
+            variables.append(x)
+            leaves[i] = x._state
+    args, kwargs = jax.tree.unflatten(tree, leaves)
+    return (tuple(positions), tuple(variables), captured), args, kwargs
 
 
 class _Discovered(Exception):
