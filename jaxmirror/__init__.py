@@ -33,13 +33,8 @@ from jaxmirror.strategies.mirrored import MirroredStrategy
 from jaxmirror.strategies.one_device import OneDeviceStrategy
 from jaxmirror.strategy import RunOptions, Strategy, StrategyExtended
 from jaxmirror.values import DistributedValues, Mirrored, PerReplica
-from jaxmirror.variables import (
-    MirroredVariable,
-    SyncOnReadVariable,
-    Variable,
-    assign_values,
-    read_values,
-)
+from jaxmirror.distributed_variables import MirroredVariable, SyncOnReadVariable
+from jaxmirror.variables import Variable, assign_values, read_values
 
 __version__ = "0.1.0"
 

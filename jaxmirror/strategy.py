@@ -363,7 +363,8 @@ class StrategyExtended:
     # -- used by the rest of jaxmirror ----------------------------------------------------
     def _variable_class(self, synchronization):
         from jaxmirror.reduce_op import VariableSynchronization
-        from jaxmirror.variables import MirroredVariable, SyncOnReadVariable, Variable
+        from jaxmirror.distributed_variables import MirroredVariable, SyncOnReadVariable
+        from jaxmirror.variables import Variable
 
         if not self._distributed_variables:
             return Variable
