@@ -172,8 +172,8 @@ def _gather_leaf(strategy, x, axis):
     rank = stacked.ndim - 1
     if rank < 1:
         raise ValueError(
-            f"gather: the components of `value` must have rank >= 1; got scalars. Expand them "
-            f"with x[None] before gathering."
+            "gather: the components of `value` must have rank >= 1; got scalars. Expand them "
+            "with x[None] before gathering."
         )
     ax = _norm_axis(axis, rank, "gather")
     moved = jnp.moveaxis(stacked, 0, ax)  # (..., N, s[ax], ...)
