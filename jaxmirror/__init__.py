@@ -10,7 +10,7 @@ Example:
     2.0
 """
 
-from jaxmirror import experimental
+from jaxmirror import checkpoint, experimental
 from jaxmirror.context import (
     experimental_set_strategy,
     get_cross_replica_context,
@@ -44,7 +44,7 @@ __all__ = [
     "NcclAllReduce", "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReductionToOneDevice",
     "ReplicaContext", "RunOptions", "Strategy", "StrategyExtended", "SyncOnReadVariable",
     "Variable", "VariableAggregation", "VariableSynchronization", "assign_values",
-    "compute_average_loss", "experimental", "experimental_set_strategy",
+    "checkpoint", "compute_average_loss", "experimental", "experimental_set_strategy",
     "get_cross_replica_context", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context", "read_values",
 ]

@@ -20,7 +20,9 @@ Example:
     >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
     >>> with s.scope():
     ...     total = jaxmirror.Variable(0.0, synchronization="on_read", aggregation="sum")
-    >>> _ = s.run(lambda: total.assign(jaxmirror.get_replica_context().replica_id_in_sync_group + 1.0))
+    >>> def count():   # replica i holds i + 1
+    ...     total.assign(jaxmirror.get_replica_context().replica_id_in_sync_group + 1.0)
+    >>> s.run(count)
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
     >>> checkpoint.save(path, {"total": total})
     >>> plain = {"total": jaxmirror.Variable(0.0)}   # no strategy: one component
@@ -37,7 +39,7 @@ import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from jaxmirror import _compat, context
-from jaxmirror.values import DistributedValues, Mirrored, PerReplica
+from jaxmirror.values import DistributedValues, Mirrored
 from jaxmirror.variables import Variable
 
 _SCALARS = (bool, int, float, complex)
@@ -52,7 +54,7 @@ def _ocp():
     return ocp
 
 
-# -- trees ------------------------------------------------------------------------------------------
+# -- trees ----------------------------------------------------------------------------------------
 def _is_leaf(x) -> bool:
     # Variables are leaves already; distributed values are pytrees, but a checkpoint sees one
     # value per PerReplica or Mirrored, not their stacked or inner arrays.
@@ -101,15 +103,16 @@ def _check_same_structure(target_pairs, saved_pairs, what: str) -> dict:
         if extra:
             parts.append(f"in {what} but not in target: {', '.join(extra[:5])}"
                          + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
-        raise ValueError(f"The target's structure does not match the {what}'s ({'; '.join(parts)}). "
-                         f"Restore into a tree shaped like the one that was saved.")
+        raise ValueError(f"The target's structure does not match the {what}'s "
+                         f"({'; '.join(parts)}). Restore into a tree shaped like the one saved.")
     return {k: saved[k][1] for k in target}
 
 
 def _check_not_in_run(fn: str) -> None:
     if context.current().in_run:
         raise RuntimeError(f"jaxmirror.checkpoint.{fn} was called inside `run`; save and restore "
-                           f"outside the step, where variables are read and assigned across replicas.")
+                           f"outside the step, where variables are read and assigned across "
+                           f"replicas.")
 
 
 def _as_directory(directory, fn: str) -> str:
@@ -124,7 +127,7 @@ def _is_checkpoint(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, m)) for m in _CHECKPOINT_MARKERS)
 
 
-# -- saving -----------------------------------------------------------------------------------------
+# -- saving ---------------------------------------------------------------------------------------
 def _saveable_leaf(path, x):
     if isinstance(x, Variable):
         try:
@@ -177,7 +180,9 @@ def to_saveable(tree):
         >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
         >>> with s.scope():
         ...     mean = jaxmirror.Variable(0.0, synchronization="on_read", aggregation="mean")
-        >>> _ = s.run(lambda: mean.assign(jaxmirror.get_replica_context().replica_id_in_sync_group * 1.0))
+        >>> def measure():   # replica i holds i
+        ...     mean.assign(jaxmirror.get_replica_context().replica_id_in_sync_group * 1.0)
+        >>> s.run(measure)
         >>> saveable = checkpoint.to_saveable({"mean": mean, "step": 7})
         >>> float(saveable["mean"]), saveable["step"].item()
         (0.5, 7)
@@ -255,7 +260,7 @@ def save(directory, tree, *, force=False):
         checkpointer.save(path, args=ocp.args.PyTreeSave(saveable), force=replace)
 
 
-# -- restoring --------------------------------------------------------------------------------------
+# -- restoring ------------------------------------------------------------------------------------
 def _target_shape_dtype(path, leaf):
     """(shape, dtype) a target leaf takes; dtype None: keep the saved one. Raises for bad leaves."""
     if isinstance(leaf, Variable):
@@ -443,6 +448,9 @@ def restore(directory, target):
         metas = _check_same_structure(target_pairs, saved_pairs, "checkpoint")
         # Checked before reading anything, so that a mismatch assigns no variable.
         for (p, leaf), meta in zip(target_pairs, metas.values()):
+            if getattr(meta, "shape", None) is None:  # a string, say
+                raise ValueError(f"Cannot restore into {_where(p)}: the checkpoint holds a "
+                                 f"{type(meta).__name__} there, not an array.")
             _check_shape(p, leaf, meta.shape)
 
         def restore_args(p, meta):

@@ -262,10 +262,11 @@ class Program:
             ctx = ext._replica_context()
             with context.pushed(context.Entry(strategy, ctx, in_run=True)), binding.pushed(frame):
                 result = self._fn(*a, **k)
+                # Still bound: a variable returned by the step is read as the step left it.
+                with_paths, tree = jax.tree_util.tree_flatten_with_path(result)
+                outs = [_as_output_array(x, path) for path, x in with_paths]
             if frame.discovered:
                 raise _Discovered(tuple(frame.discovered))
-            with_paths, tree = jax.tree_util.tree_flatten_with_path(result)
-            outs = [_as_output_array(x, path) for path, x in with_paths]
             out_tree.append(tree)
             smallest = min(range(len(outs)), key=lambda i: outs[i].size, default=None)
             handle.append(() if smallest is None else _getters(with_paths[smallest][0]))

@@ -358,6 +358,8 @@ class StrategyExtended:
         if not isinstance(v, Variable):
             raise ValueError(f"variable_created_in_scope: `v` must be a jaxmirror Variable; got "
                              f"{type(v).__name__}.")
+        if v._strategy is None:  # made outside every scope: owned by the default strategy
+            return self._container_strategy_ref is context.default_strategy()
         return v._strategy is self._container_strategy_ref
 
     # -- used by the rest of jaxmirror ----------------------------------------------------
