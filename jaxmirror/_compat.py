@@ -42,6 +42,12 @@ def trace_state_clean() -> bool:
     return _core.trace_state_clean()
 
 
+def local_abstract_key(x, stacked: bool):
+    """``abstract_key`` of what one replica sees of ``x`` (a stacked array loses its first axis)."""
+    shape, dtype, weak = abstract_key(x)
+    return (shape[1:] if stacked else shape), dtype, weak
+
+
 def set_cpu_device_count(n: int) -> None:
     """Ask XLA for ``n`` host-platform devices; only possible before the backend starts."""
     jax.config.update("jax_num_cpu_devices", n)
@@ -54,7 +60,7 @@ def backend_started() -> bool:
 
 
 __all__ = [
-    "ClosedJaxpr", "Jaxpr", "abstract_key", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec",
+    "ClosedJaxpr", "Jaxpr", "abstract_key", "local_abstract_key", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec",
     "backend_started", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
     "make_mesh", "set_cpu_device_count", "shard_map", "trace_state_clean",
 ]

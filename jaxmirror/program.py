@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +95,7 @@ class Program:
         self._fn = fn
         self.trace_count = 0  # how often the user's function was traced
         self.compile_count = 0  # how often jax.jit traced (and so compiled) this program
-        self._traced = {}  # abstract input signature -> (jaxpr, out_tree, out_varying, handle)
+        self._traced = {}  # per-replica input signature -> _Traced
         self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended._bound_in_flight
         self._stateful = False  # the step uses variables (by argument or closure)
@@ -189,52 +190,63 @@ class Program:
         # Each replica sees a PerReplica's own component and a Mirrored's value.
         flat = [x.stacked if s else (x.value if isinstance(x, Mirrored) else x)
                 for x, s in zip(leaves, stacked)]
-        # jax.jit retraces when only the inputs' placement changed (host arrays on the first
-        # call, mesh-replicated ones after it); the user's function must not run again for that.
-        key = (in_tree, stacked, tuple(_compat.abstract_key(x) for x in flat), bound)
-        per_replica_program = self._traced.get(key)
-        if per_replica_program is None:
-            per_replica_program = self._trace_user_function(in_tree, n_args, stacked, flat, bound)
-            if not any(_compat.is_tracer(c) for c in per_replica_program[0].consts):
-                self._traced[key] = per_replica_program
-        traced, out_tree, out_varying, self._handle_path, written = per_replica_program
-        (eqn,) = traced.jaxpr.eqns  # the shard_map, fed by consts and our flat inputs
-        env = dict(zip(traced.jaxpr.constvars, traced.consts))
-        env.update(zip(traced.jaxpr.invars, flat))
+        local = tuple(_compat.local_abstract_key(x, s) for x, s in zip(flat, stacked))
+        # The user's function sees only per-replica values, so one trace serves every placement
+        # of the inputs: host or replicated arrays, replicated or stacked (a variable whose
+        # replicas diverged) ones. jax.jit retraces for those; the user's function does not.
+        key = (in_tree, local, bound)
+        traced = self._traced.get(key)
+        if traced is None:
+            traced = self._trace_user_function(in_tree, n_args, local, bound)
+            if not any(_compat.is_tracer(c) for c in traced.jaxpr.consts):
+                self._traced[key] = traced
+        self._handle_path = traced.handle_path
+        (eqn,) = traced.jaxpr.jaxpr.eqns  # the shard_map, fed by consts and our flat inputs
+        env = dict(zip(traced.jaxpr.jaxpr.constvars, traced.jaxpr.consts))
+        env.update(zip(traced.jaxpr.jaxpr.invars, flat))
+        is_stacked = dict(zip(traced.jaxpr.jaxpr.invars, stacked))
         operands = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
-        body = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(eqn.params["jaxpr"], ()))
+        op_stacked = [not isinstance(v, _compat.Literal) and is_stacked.get(v, False)
+                      for v in eqn.invars]
+        inner = eqn.params["jaxpr"]
+        if ext._num_replicas > 1:
+            analysed = replication.analyse(inner, op_stacked)
+            out_varying = [a or f for a, f in zip(analysed, traced.force_varying)]
+        else:
+            out_varying = [False] * len(inner.outvars)
+        body = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(inner, ()))
 
         def emit(*ops):
+            ops = [o.reshape(o.shape[1:]) if s else o for o, s in zip(ops, op_stacked)]
             outs = body(*ops)
-            return [o if vary else o.reshape(o.shape[1:]) for o, vary in zip(outs, out_varying)]
+            return [o[None] if vary else o for o, vary in zip(outs, out_varying)]
 
+        in_specs = tuple(P(axis) if s else P() for s in op_stacked)
         out_specs = [P(axis) if vary else P() for vary in out_varying]
-        outs = _compat.shard_map(emit, ext.mesh, eqn.params["in_specs"], out_specs)(*operands)
+        outs = _compat.shard_map(emit, ext.mesh, in_specs, out_specs)(*operands)
         outs = [PerReplica(o) if vary else o for o, vary in zip(outs, out_varying)]
-        n_out = len(outs) - len(written)
+        n_out = len(outs) - len(traced.written)
         results, new_states = outs[:n_out], outs[n_out:]
         # A step with no outputs still queues collectives: give the in-flight bound a handle.
         token = None if results else jnp.zeros((), jnp.int32)
-        return jax.tree.unflatten(out_tree, results), token, _Writes(written, tuple(new_states))
+        return (jax.tree.unflatten(traced.out_tree, results), token,
+                _Writes(traced.written, tuple(new_states)))
 
-    def _trace_user_function(self, in_tree, n_args, stacked, flat, bound):
-        """Trace the user's function once per replica.
+    def _trace_user_function(self, in_tree, n_args, local, bound) -> _Traced:
+        """Trace the user's function once, for one replica.
 
         Args:
             in_tree: the structure of ``(args, kwargs)``.
             n_args: how many of the flat inputs are the user's (the rest are captured
                 variables' arrays).
-            stacked: which flat inputs are replica-stacked.
-            flat: the flat input arrays.
+            local: each flat input's per-replica ``(shape, dtype, weak_type)``.
             bound: ``None``, or ``(positions, variables, captured)``: the flat positions at
                 which the user passed variables, those variables, and the variables the step
                 reaches by closure (their arrays follow the user's inputs).
 
         Returns:
-            ``(jaxpr, out_tree, out_varying, handle_path, written)``: the closed jaxpr holding
-            one ``shard_map``, the output structure, which outputs vary across replicas, the
-            getters leading to the smallest output (for the in-flight bound), and the variables
-            the step assigned (their new arrays are the last outputs).
+            A ``_Traced``: a closed jaxpr holding one ``shard_map`` whose body is the replica's
+            computation on per-replica inputs, and what ``_trace`` needs to emit it.
 
         Raises:
             _Discovered: when the step reached variables it does not take as inputs yet.
@@ -242,22 +254,22 @@ class Program:
         self.trace_count += 1
         strategy = self._strategy
         ext = strategy.extended
-        axis = ext.axis_name
         n = ext._num_replicas
         positions, arg_vars, captured = bound or ((), (), ())
-        in_specs = tuple(P(axis) if s else P() for s in stacked)
-        out_tree, handle, written, force_varying = [], [], [], []
+        found = {}
 
-        def per_replica_body(*local):
-            local = [x.reshape(x.shape[1:]) if s else x for x, s in zip(local, stacked)]
-            frame = binding.Frame(strategy, axis, discover=True)
-            user = local[:n_args]
+        def per_replica_body(*values):
+            frame = binding.Frame(strategy, ext.axis_name, discover=True)
+            user = list(values[:n_args])
+            # Whether a variable's replicas agree is not known here (the trace serves every
+            # placement); a slot starts as "may differ", which only costs a collective when a
+            # merge_fn reads the variable before the step writes it.
             for pos, var in zip(positions, arg_vars):
                 var._check_usable_in(strategy)
-                frame.bind(var, local[pos], mirrored=not stacked[pos])
+                frame.bind(var, values[pos], mirrored=var._strategy is None)
                 user[pos] = var
             for j, var in enumerate(captured):
-                frame.bind(var, local[n_args + j], mirrored=not stacked[n_args + j])
+                frame.bind(var, values[n_args + j], mirrored=var._strategy is None)
             a, k = jax.tree.unflatten(in_tree, user)
             ctx = ext._replica_context()
             with context.pushed(context.Entry(strategy, ctx, in_run=True)), binding.pushed(frame):
@@ -267,28 +279,34 @@ class Program:
                 outs = [_as_output_array(x, path) for path, x in with_paths]
             if frame.discovered:
                 raise _Discovered(tuple(frame.discovered))
-            out_tree.append(tree)
             smallest = min(range(len(outs)), key=lambda i: outs[i].size, default=None)
-            handle.append(() if smallest is None else _getters(with_paths[smallest][0]))
             slots = frame.written()
-            written.append(tuple(s.var for s in slots))
-            # A sync-on-read variable keeps one component per replica, even when they agree.
-            force_varying.append([False] * len(outs) + [s.var._on_read and n > 1 for s in slots])
-            outs += [jnp.asarray(s.value) for s in slots]
-            return [x[None] for x in outs]
+            found.update(
+                out_tree=tree,
+                handle_path=() if smallest is None else _getters(with_paths[smallest][0]),
+                written=tuple(s.var for s in slots),
+                # A sync-on-read variable keeps one component per replica, even when they agree.
+                force_varying=[False] * len(outs) + [s.var._on_read and n > 1 for s in slots],
+            )
+            return outs + [jnp.asarray(s.value) for s in slots]
 
+        avals = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in local]
+        # Traced with every input and output replicated, i.e. on per-replica values; _trace
+        # picks the real in_specs and out_specs when it emits the body.
         traced = jax.make_jaxpr(
-            _compat.shard_map(per_replica_body, ext.mesh, in_specs, P(axis))
-        )(*flat)
-        (eqn,) = traced.jaxpr.eqns
-        inner = eqn.params["jaxpr"]
-        if n > 1:
-            in_varying = [spec != P() for spec in eqn.params["in_specs"]]
-            analysed = replication.analyse(inner, in_varying)
-            out_varying = [a or f for a, f in zip(analysed, force_varying[0])]
-        else:
-            out_varying = [False] * len(inner.outvars)
-        return traced, out_tree[0], out_varying, handle[0], written[0]
+            _compat.shard_map(per_replica_body, ext.mesh, P(), P())
+        )(*avals)
+        return _Traced(jaxpr=traced, **found)
+
+
+class _Traced(NamedTuple):
+    """One trace of the user's function (see ``Program._trace_user_function``)."""
+
+    jaxpr: object  # a ClosedJaxpr with one shard_map equation
+    out_tree: object  # the structure of the step's results
+    handle_path: tuple  # getters to the smallest result, for the in-flight bound
+    written: tuple  # the variables the step assigned (their arrays are the last outputs)
+    force_varying: list  # outputs that stay per-replica whatever the analysis says
 
 
 def _has_variables(args, kwargs) -> bool:
