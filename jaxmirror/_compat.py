@@ -37,9 +37,9 @@ def abstract_key(x):
     return (aval.shape, aval.dtype, getattr(aval, "weak_type", False))
 
 
-def trace_state_clean() -> bool:
-    """False while a JAX transformation (jit, grad, scan, ...) is tracing."""
-    return _core.trace_state_clean()
+# False while a JAX transformation (jit, grad, scan, ...) is tracing. The bound method itself:
+# it is on the hot path of steps that use variables.
+trace_state_clean = _core.trace_ctx.is_top_level
 
 
 def local_abstract_key(x, stacked: bool):

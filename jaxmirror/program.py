@@ -98,9 +98,9 @@ class Program:
         self._traced = {}  # per-replica input signature -> _Traced
         self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended._bound_in_flight
-        self._stateful = False  # the step uses variables (by argument or closure)
-        self._variable_args = False  # it was given variables as arguments
+        self._variable_args = False  # the step was given variables as arguments
         self._captured = ()  # variables the step reaches by closure, found while tracing
+        self._captured_key = None  # the binding of a call without variable arguments
         # jit arguments: (variable binding (static), captured variables' arrays, *args, **kwargs)
         self._jitted = jax.jit(self._trace, static_argnums=0,
                                donate_argnums=tuple(i + 2 for i in donate_argnums))
@@ -120,50 +120,56 @@ class Program:
 
     def __call__(self, *args, **kwargs):
         check_can_run(self._strategy)
-        if self._stateful:
-            return self._call_with_variables(args, kwargs)
+        if self._variable_args:
+            return self._call_with_variable_args(args, kwargs)
+        captured = self._captured
         try:
-            out, token, _ = self._jitted(None, (), *args, **kwargs)
+            if captured:  # TF's usual style: variables by closure, nothing to flatten per call
+                if not _compat.trace_state_clean():
+                    raise self._transformed_error()
+                out, token, writes = self._jitted(self._captured_key,
+                                                  tuple(map(_STATE, captured)), *args, **kwargs)
+                writes.apply()  # the call succeeded: now every assignment takes effect
+            else:
+                out, token, _ = self._jitted(None, (), *args, **kwargs)
         except _Discovered as found:  # the step reads variables by closure
-            self._captured = found.variables
-            self._stateful = True
-            return self._call_with_variables(args, kwargs)
+            self._capture(found.variables)
+            return self(*args, **kwargs)
         except (TypeError, ValueError):  # jax.jit refuses Variable arguments
             if not _has_variables(args, kwargs):
                 raise
-            self._stateful = self._variable_args = True
-            return self._call_with_variables(args, kwargs)
+            self._variable_args = True
+            return self._call_with_variable_args(args, kwargs)
         if self._track:
             _inflight.track_array(token if token is not None else self._handle(out))
         return out
 
-    def _call_with_variables(self, args, kwargs):
-        """The call of a step that uses variables: their arrays go in, their new arrays come out."""
+    def _call_with_variable_args(self, args, kwargs):
+        """A call whose arguments may hold variables: they go in as their arrays."""
         if not _compat.trace_state_clean():
-            raise RuntimeError(
-                f"{self.__name__}: a step that uses jaxmirror Variables cannot be called inside "
-                f"jax.jit, jax.grad or lax.scan (its assignments would be lost). Call it directly, "
-                f"or pass arrays instead of variables."
-            )
+            raise self._transformed_error()
         captured = self._captured
-        if self._variable_args:
-            key, a, k = _take_variables(args, kwargs, captured)
-        else:  # TF's usual style: variables by closure only, so no flattening per call
-            key, a, k = ((), (), captured), args, kwargs
+        key, a, k = _take_variables(args, kwargs, captured)
         try:
-            out, token, writes = self._jitted(key, tuple(v._state for v in captured), *a, **k)
+            out, token, writes = self._jitted(key, tuple(map(_STATE, captured)), *a, **k)
         except _Discovered as found:
-            self._captured = captured + found.variables
-            return self._call_with_variables(args, kwargs)
-        except (TypeError, ValueError):  # jax.jit refuses Variable arguments
-            if self._variable_args or not _has_variables(args, kwargs):
-                raise
-            self._variable_args = True
-            return self._call_with_variables(args, kwargs)
-        writes.apply()  # the call succeeded: now every assignment takes effect
+            self._capture(found.variables)
+            return self._call_with_variable_args(args, kwargs)
+        writes.apply()
         if self._track:
             _inflight.track_array(token if token is not None else self._handle(out))
         return out
+
+    def _capture(self, variables: tuple) -> None:
+        self._captured = self._captured + variables
+        self._captured_key = ((), (), self._captured)
+
+    def _transformed_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"{self.__name__}: a step that uses jaxmirror Variables cannot be called inside "
+            f"jax.jit, jax.grad or lax.scan (its assignments would be lost). Call it directly, "
+            f"or pass arrays instead of variables."
+        )
 
     def _handle(self, out):
         """One output array of this call, found without flattening ``out`` (DESIGN: hot path)."""
@@ -309,6 +315,9 @@ class _Traced(NamedTuple):
     force_varying: list  # outputs that stay per-replica whatever the analysis says
 
 
+_STATE = operator.attrgetter("_state")
+
+
 def _has_variables(args, kwargs) -> bool:
     return any(isinstance(x, Variable)
                for x in jax.tree.leaves((args, kwargs), is_leaf=is_distributed))
@@ -321,7 +330,9 @@ def _take_variables(args, kwargs, captured):
         ``((positions, variables, captured), args, kwargs)``: the flat positions of the
         variables among the arguments' leaves, the variables, and the captured ones.
     """
-    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
+    # Plain flattening (no Python callback per node) numbers the leaves as _trace's does:
+    # a PerReplica or Mirrored value has exactly one child.
+    leaves, tree = jax.tree.flatten((args, kwargs))
     positions, variables = [], []
     for i, x in enumerate(leaves):
         if isinstance(x, Variable):

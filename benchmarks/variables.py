@@ -1,0 +1,746 @@
+#!/usr/bin/env python
+"""Per-step cost of a train step that keeps its params in jaxmirror Variables, against pytrees.
+
+The same MLP SGD step (a params dict, softmax cross-entropy averaged over the replica's batch,
+gradients and loss all-reduced with MEAN, ``p - lr * g``) runs four ways on a
+``MirroredStrategy`` over N simulated CPU devices (N = 1, 2, 8 by default):
+
+  (a) pytree: ``step = strategy.function(fn)``; ``params, loss = step(params, x, y)``, the
+      params a dict of arrays placed once with ``strategy.extended.replicated_sharding``;
+  (b) variables by closure (TF style): the params are a dict of ``jaxmirror.Variable`` made in
+      ``strategy.scope()``; the step captures them, reads them with ``jaxmirror.read_values``,
+      assigns the new values with ``jaxmirror.assign_values`` (``--assign sub``: one
+      ``v.assign_sub(lr * g)`` each) and returns the loss: ``loss = step(x, y)``;
+  (c) variables as arguments: the same step taking the dict of variables,
+      ``loss = step(params_vars, x, y)``;
+  (d) baseline: the same step hand-written as ``jax.jit(jax.shard_map(body, mesh=Mesh(devices,
+      ("replica",)), ..., check_vma=False))`` with ``jax.lax.pmean``, fed the same placed
+      arrays (the ``PerReplica``'s global array).
+
+The batches are the ``PerReplica`` values of ``strategy.experimental_distribute_dataset``,
+placed once before timing. Every variant starts from the same params and sees the same batches
+in the same order. After the warm-up, before anything is timed, and again after timing, the script
+asserts that all variants hold the same params (and says whether bit for bit), and that no
+jaxmirror step traced or compiled again during timing.
+
+Fairness: with N >= 2 CPU devices jaxmirror's steps keep at most ``_inflight.MAX_IN_FLIGHT`` (8)
+steps in flight; the baseline loop then keeps the same queue by hand. With N = 1 nobody does.
+
+Measured, per model size and N, with the variants rotated in rounds to cancel drift (a, b, c, d,
+d', then b, c, d, d', a, ...; d' is a second copy of the baseline loop, an A/A control whose ratio
+to d shows how much of a difference this machine's noise alone makes):
+  * µs/step: K steps per round, ``block_until_ready`` at the end of the round; the median over
+    rounds, and the median (and quartiles) over rounds of the ratios (b)/(a) and (c)/(a) (the goal:
+    <= 1.05) and of each style / baseline, taken within each round. At least ``--rounds`` rounds,
+    and more (whole rotations, up to 10x) while the case has taken less than ``--case-seconds``:
+    the tiny steps get many more rounds for the same time;
+  * dispatch (host overhead) per call: the time to return from MAX_IN_FLIGHT calls started on an
+    idle machine, without waiting, divided by their number; the median over rounds.
+With ``--breakdown`` (on by default) it splits the per-call host time of the tiny step into the
+pieces of ``Program.__call__`` (single calls from idle, and warm timeit loops of the
+pieces). With ``--ablation`` (on by default) it times steady-state tiny-step loops of each style
+next to ``Program._jitted`` called directly (the variables' jitted call gets a key built once and
+its loop applies the writes): the gap between a step and its ``_jitted``-only loop is jaxmirror's
+Python around the call, measured in the loop (jaxmirror is not patched).
+
+Run from the repository root:
+    .venv/bin/python benchmarks/variables.py                       # N = 1, 2, 8; ~2 min
+    .venv/bin/python benchmarks/variables.py --quick               # a sanity run, ~25 s, noisy
+    .venv/bin/python benchmarks/variables.py --devices 1,2,4,8 --no-ablation
+"""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxmirror  # noqa: E402
+from jaxmirror import _compat, _inflight  # noqa: E402  (the bound; --breakdown's pieces)
+from jaxmirror.program import _take_variables  # noqa: E402  (timed by --breakdown)
+from jaxmirror.program import check_can_run  # noqa: E402  (timed by --breakdown)
+
+MAX_IN_FLIGHT = _inflight.MAX_IN_FLIGHT
+NUM_BATCHES = 4  # distinct placed batches, cycled through
+LR = 0.1
+
+# name -> (global batch, layer sizes, default steps per round)
+MODELS = {
+    "tiny": (16, (8, 16, 4), 100),  # a few hundred flops: host overhead dominates
+    "small": (256, (784, 512, 10), 8),  # an MNIST-sized MLP step
+}
+
+PYTREE, CLOSURE, ARGS, BASE, BASE2 = "(a) pytree", "(b) vars closure", "(c) vars args", \
+    "baseline", "baseline'"
+
+
+# ----------------------------------------------------------------------------------------------
+# The model and the four steps
+# ----------------------------------------------------------------------------------------------
+def init_params(key, sizes):
+    params = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        key, k = jax.random.split(key)
+        params[f"w{i}"] = jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a)
+        params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
+    return params
+
+
+def mlp(params, x):
+    n = len(params) // 2
+    for i in range(n):
+        x = x @ params[f"w{i}"] + params[f"b{i}"]
+        if i < n - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def loss_fn(params, x, y):
+    """The replica's mean loss; the MEAN all-reduce of its gradient is the global batch's."""
+    return optax.softmax_cross_entropy_with_integer_labels(mlp(params, x), y).mean()
+
+
+def sgd(params, grads):
+    return jax.tree.map(lambda p, g: p - LR * g, params, grads)
+
+
+def _grads_and_loss(params, x, y):
+    """Gradients and loss of the replica's batch, both all-reduced with MEAN by jaxmirror."""
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    ctx = jaxmirror.get_replica_context()
+    return ctx.all_reduce("mean", grads), ctx.all_reduce("mean", loss)
+
+
+def make_pytree_step(strategy):
+    """(a): params in, new params out."""
+
+    def pytree_step(params, x, y):
+        grads, loss = _grads_and_loss(params, x, y)
+        return sgd(params, grads), loss
+
+    return strategy.function(pytree_step)
+
+
+def _assign(variables, grads, values, assign: str):
+    if assign == "values":
+        jaxmirror.assign_values(variables, sgd(values, grads))
+    else:  # "sub"
+        for name, v in variables.items():
+            v.assign_sub(LR * grads[name])
+
+
+def make_closure_step(strategy, variables, assign: str):
+    """(b): the variables captured by closure; returns the loss."""
+
+    def closure_step(x, y):
+        values = jaxmirror.read_values(variables)
+        grads, loss = _grads_and_loss(values, x, y)
+        _assign(variables, grads, values, assign)
+        return loss
+
+    return strategy.function(closure_step)
+
+
+def make_args_step(strategy, assign: str):
+    """(c): the variables passed as the first argument; returns the loss."""
+
+    def args_step(variables, x, y):
+        values = jaxmirror.read_values(variables)
+        grads, loss = _grads_and_loss(values, x, y)
+        _assign(variables, grads, values, assign)
+        return loss
+
+    return strategy.function(args_step)
+
+
+def make_baseline_step(mesh):
+    def body(params, x, y):
+        x, y = x.reshape(x.shape[1:]), y.reshape(y.shape[1:])  # this replica's (1, b, ...) block
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        grads = jax.lax.pmean(grads, "replica")
+        return sgd(params, grads), jax.lax.pmean(loss, "replica")
+
+    return jax.jit(jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(P(), P("replica"), P("replica")),
+        out_specs=(P(), P()),
+        check_vma=False,
+    ))
+
+
+# ----------------------------------------------------------------------------------------------
+# One (model, N) case: the variants, their state and their loops
+# ----------------------------------------------------------------------------------------------
+class Loop:
+    """One variant's training loop.
+
+    ``call(state, x, y)`` makes one step and returns ``(state, loss)``; the state is the params
+    pytree for (a) and the baseline, ``None`` for the variables styles (the variables hold it).
+    ``bound`` says whether the loop keeps an in-flight queue itself (the baseline, where
+    jaxmirror's steps keep theirs); ``params()`` returns the params as NumPy arrays.
+    """
+
+    def __init__(self, name, call, batches, state, bound: bool, params):
+        self.name, self.call, self.batches, self.bound = name, call, batches, bound
+        self.state, self.params = state, params
+        self.i = 0  # batch counter: every variant sees the same sequence of batches
+        self.queue: collections.deque = collections.deque()
+
+    def __call__(self, k: int):
+        """Run k steps, return the last loss (not waited for)."""
+        call, batches, queue, bound = self.call, self.batches, self.queue, self.bound
+        state, i = self.state, self.i
+        loss = None
+        for _ in range(k):
+            x, y = batches[i % NUM_BATCHES]
+            state, loss = call(state, x, y)
+            if bound:  # what jaxmirror does here: wait for the oldest past MAX_IN_FLIGHT
+                queue.append(loss)
+                if len(queue) > MAX_IN_FLIGHT:
+                    queue.popleft().block_until_ready()
+            i += 1
+        self.state, self.i = state, i
+        return loss
+
+
+def _np(tree):
+    return {k: np.asarray(v) for k, v in tree.items()}
+
+
+class Case:
+    """A model size on N replicas: the three styles, the baseline and its A/A copy."""
+
+    def __init__(self, model: str, n: int, assign: str, seed: int = 0):
+        global_batch, sizes, _ = MODELS[model]
+        self.model, self.n = model, n
+        devices = jax.devices()[:n]
+        self.strategy = strategy = jaxmirror.MirroredStrategy(devices)
+        self.mesh = Mesh(np.array(devices), ("replica",))
+
+        rng = np.random.default_rng(seed)
+        host = [(rng.standard_normal((global_batch, sizes[0])).astype(np.float32),
+                 rng.integers(0, sizes[-1], global_batch).astype(np.int32))
+                for _ in range(NUM_BATCHES)]
+        # Placed once, before timing: PerReplica values for jaxmirror, their arrays for the
+        # baseline.
+        self.jm_batches = list(strategy.experimental_distribute_dataset(host))
+        if n > 1:
+            self.base_batches = [(x.stacked, y.stacked) for x, y in self.jm_batches]
+        else:  # one replica: jaxmirror takes plain arrays; give the baseline its (1, b, ...) block
+            stacked = NamedSharding(self.mesh, P("replica"))
+            self.base_batches = [jax.device_put((x[None], y[None]), stacked)
+                                 for x, y in self.jm_batches]
+
+        params = init_params(jax.random.key(seed), sizes)
+        replicated = strategy.extended.replicated_sharding
+        with strategy.scope():  # two independent sets of variables, one per variables style
+            self.vars_b = {k: jaxmirror.Variable(v, name=k) for k, v in params.items()}
+            self.vars_c = {k: jaxmirror.Variable(v, name=k) for k, v in params.items()}
+        self.pytree_step = make_pytree_step(strategy)
+        self.closure_step = make_closure_step(strategy, self.vars_b, assign)
+        self.args_step = make_args_step(strategy, assign)
+        self.base_step = make_baseline_step(self.mesh)
+        self.bounded = strategy.extended._bound_in_flight  # jaxmirror's own queue is on
+        self.programs = {PYTREE: self.pytree_step, CLOSURE: self.closure_step,
+                         ARGS: self.args_step}
+
+        closure_step, args_step, vars_c = self.closure_step, self.args_step, self.vars_c
+        jm = dict(bound=False)
+        self.a = Loop(PYTREE, self.pytree_step, self.jm_batches,
+                      jax.device_put(params, replicated), params=lambda: _np(self.a.state), **jm)
+        self.b = Loop(CLOSURE, lambda _, x, y: (None, closure_step(x, y)), self.jm_batches, None,
+                      params=lambda: _np(jaxmirror.read_values(self.vars_b)), **jm)
+        self.c = Loop(ARGS, lambda _, x, y: (None, args_step(vars_c, x, y)), self.jm_batches,
+                      None, params=lambda: _np(jaxmirror.read_values(self.vars_c)), **jm)
+        base = dict(bound=self.bounded)
+        self.d = Loop(BASE, self.base_step, self.base_batches,
+                      jax.device_put(params, replicated), params=lambda: _np(self.d.state), **base)
+        self.d2 = Loop(BASE2, self.base_step, self.base_batches,
+                       jax.device_put(params, replicated), params=lambda: _np(self.d2.state),
+                       **base)
+        self.loops = (self.a, self.b, self.c, self.d, self.d2)
+
+    def sync(self):
+        jax.block_until_ready([self.a.state, self.d.state, self.d2.state,
+                               jaxmirror.read_values((self.vars_b, self.vars_c))])
+        _inflight.drain()
+
+    def counts(self) -> dict:
+        """(trace_count, compile_count) of each jaxmirror step."""
+        return {name: (p.trace_count, p.compile_count) for name, p in self.programs.items()}
+
+    def check_counts(self, where: str) -> None:
+        """Assert no step traced or compiled again since the warm-up (``self.warm_counts``)."""
+        assert self.counts() == self.warm_counts, (
+            f"{self.model} N={self.n} {where}: a step traced or compiled again: "
+            f"{self.warm_counts} -> {self.counts()}")
+
+    def check_agree(self, where: str) -> tuple[float, bool]:
+        """Assert every variant's params agree with the baseline's; (max |diff|, bitwise)."""
+        self.sync()
+        worst, exact = 0.0, True
+        ref = self.d.params()
+        for loop in (self.a, self.b, self.c, self.d2):
+            assert loop.i == self.d.i, (loop.name, loop.i, self.d.i)
+            got = loop.params()
+            for name in sorted(ref):
+                np.testing.assert_allclose(
+                    got[name], ref[name], rtol=1e-5, atol=1e-6,
+                    err_msg=f"{self.model} N={self.n} {where}: {loop.name} vs baseline, {name}")
+                worst = max(worst, float(np.max(np.abs(got[name] - ref[name]))))
+                exact &= bool(np.array_equal(got[name], ref[name]))
+        # The variables stay one replicated array each (all-reduced gradients: Mirrored).
+        for v in (*self.vars_b.values(), *self.vars_c.values()):
+            assert isinstance(v._state, jax.Array), (v.name, type(v._state))
+        return worst, exact
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing helpers (as in step_overhead.py)
+# ----------------------------------------------------------------------------------------------
+def _timed(loop: Loop, k: int) -> float:
+    """Seconds per step for k steps, waiting for the last one at the end."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(k))
+    return (time.perf_counter() - t0) / k
+
+
+def _dispatch(case: Case, loop: Loop, k: int) -> float:
+    """Seconds per call to *return* from k calls started on an idle machine (no waiting).
+
+    k = MAX_IN_FLIGHT, so no in-flight bound waits on a step that is still running: what is
+    timed is the host's work to launch a step.
+    """
+    case.sync()
+    t0 = time.perf_counter()
+    out = loop(k)
+    t = time.perf_counter() - t0
+    jax.block_until_ready(out)
+    return t / k
+
+
+def _more_rounds(r: int, rounds: int, seconds: float, t0: float) -> bool:
+    """Whether to run round ``r``: at least ``rounds``, then more (up to 10x) for ``seconds``."""
+    return r < rounds or (r < 10 * rounds and time.perf_counter() - t0 < seconds)
+
+
+def _shuffled_rounds(timers: dict, rounds: int, seconds: float = 0.0) -> dict:
+    """Call each timer once per round, in a fresh random order each round, with GC off.
+
+    Args:
+        timers: name -> a zero-argument callable returning seconds.
+        rounds: how many rounds at least.
+        seconds: go on with more rounds (up to 10 x ``rounds``) until this much time has passed.
+
+    Returns:
+        name -> the list of seconds, one per round.
+    """
+    rng = random.Random(0)
+    times = {name: [] for name in timers}
+    order = list(timers)
+    gc.collect()
+    gc.disable()
+    t0, r = time.perf_counter(), 0
+    try:
+        while _more_rounds(r, rounds, seconds, t0):
+            r += 1
+            rng.shuffle(order)
+            for name in order:
+                times[name].append(timers[name]())
+    finally:
+        gc.enable()
+        _inflight.drain()
+    return times
+
+
+def _one_call(fn) -> float:
+    """Seconds to return from one call of ``fn`` on an idle machine; then waits and drains."""
+    t0 = time.perf_counter()
+    out = fn()
+    t = time.perf_counter() - t0
+    jax.block_until_ready(out)
+    _inflight.drain()
+    return t
+
+
+def _per_call(fn, number: int, repeat: int) -> float:
+    """Median over `repeat` of the seconds per call of `fn()` called `number` times."""
+    runs = []
+    gc.disable()  # as timeit does
+    try:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            runs.append((time.perf_counter() - t0) / number)
+    finally:
+        gc.enable()
+    return statistics.median(runs)
+
+
+def _median_ratio(num, den):
+    ratios = [a / b for a, b in zip(num, den)]
+    return statistics.median(ratios), np.percentile(ratios, 25), np.percentile(ratios, 75)
+
+
+def bench_case(case: Case, args, steps: int) -> dict:
+    # Warm-up: compile, run a few steps each, then check that they computed the same thing.
+    for loop in case.loops:
+        loop(args.warmup)
+    diff, exact = case.check_agree("after warm-up")
+    case.warm_counts = case.counts()
+
+    t = {loop.name: [] for loop in case.loops}
+    d = {loop.name: [] for loop in case.loops}
+    loops = case.loops
+    gc.collect()
+    gc.disable()
+    t0, r = time.perf_counter(), 0
+    try:
+        # Rotated each round, so no variant always goes first; whole rotations only.
+        while r % 5 or _more_rounds(r, args.rounds, args.case_seconds, t0):
+            for loop in loops[r % 5:] + loops[:r % 5]:
+                t[loop.name].append(_timed(loop, steps))
+            r += 1
+        for j in range(args.dispatch_rounds):
+            for loop in loops[j % 5:] + loops[:j % 5]:
+                d[loop.name].append(_dispatch(case, loop, MAX_IN_FLIGHT))
+    finally:
+        gc.enable()
+    diff_end, exact_end = case.check_agree("after timing")
+    case.check_counts("after timing")
+
+    med = statistics.median
+    return dict(
+        model=case.model, n=case.n, counts=case.warm_counts, rounds=len(t[PYTREE]),
+        ms={name: med(v) for name, v in t.items()},
+        b_a=_median_ratio(t[CLOSURE], t[PYTREE]), c_a=_median_ratio(t[ARGS], t[PYTREE]),
+        a_d=_median_ratio(t[PYTREE], t[BASE]), b_d=_median_ratio(t[CLOSURE], t[BASE]),
+        c_d=_median_ratio(t[ARGS], t[BASE]), control=_median_ratio(t[BASE2], t[BASE]),
+        us={name: med(v) for name, v in d.items()},
+        d_b_a=med([a - b for a, b in zip(d[CLOSURE], d[PYTREE])]),
+        d_c_a=med([a - b for a, b in zip(d[ARGS], d[PYTREE])]),
+        d_control=med([a - b for a, b in zip(d[BASE2], d[BASE])]),
+        diff=max(diff, diff_end), exact=exact and exact_end,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# --breakdown: where the variables styles' per-call host time goes
+# ----------------------------------------------------------------------------------------------
+def _jit_args(prog, args):
+    """What ``Program`` hands ``Program._jitted`` for these step arguments.
+
+    ``(key, captured states, args)``: ``key`` is the static binding of
+    ``Program._trace_user_function``, ``(positions, variables, captured)``, and in ``args`` every
+    variable is replaced by its array (``program._take_variables``, which the breakdown also times
+    as the cost of finding variables among the arguments). A ``_jitted`` call with a key that
+    differs from the step's would build a second program: ``check_counts`` would fail.
+    """
+    key, args, _ = _take_variables(args, {}, prog._captured)
+    return key, tuple(v._state for v in prog._captured), args
+
+
+def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
+    """Per-call host costs of each style's call and of the pieces of ``Program.__call__``.
+
+    End-to-end rows: one call at a time from an idle machine (inputs ready, queue drained),
+    the forms interleaved in random order, ``samples`` calls each; the median seconds to return.
+    Every form carries its state from call to call, so every call frees the previous arrays
+    inside the timed region: a pytree form by rebinding its params, a variables step in its
+    write-back. Piece rows: timeit-style loops (median of 7), warm caches, so smaller than in situ.
+    """
+    case.sync()
+    pa, pb, pc, base = case.pytree_step, case.closure_step, case.args_step, case.base_step
+    vars_c, captured = case.vars_c, case.closure_step._captured
+    x, y = case.jm_batches[0]
+    bx, by = case.base_batches[0]
+    key_b, _, _ = _jit_args(pb, (x, y))
+    held = {"base": case.d.state, "a": case.a.state, "a_jitted": case.a.state}
+
+    def baseline_call():
+        held["base"], loss = base(held["base"], bx, by)
+        return loss
+
+    def pytree_call():
+        held["a"], loss = pa(held["a"], x, y)
+        return loss
+
+    def pytree_jitted():
+        (held["a_jitted"], loss), _, _ = pa._jitted(None, (), held["a_jitted"], x, y)
+        return loss
+
+    def closure_jitted():
+        loss, _, writes = pb._jitted(key_b, tuple(v._state for v in captured), x, y)
+        writes.apply()
+        return loss
+
+    forms = {
+        "baseline: jitted shard_map call": baseline_call,
+        "(a) pytree: step(params, x, y)": pytree_call,
+        "(a) pytree: Program._jitted only": pytree_jitted,
+        "(b) vars closure: step(x, y)": lambda: pb(x, y),
+        "(b) vars closure: Program._jitted only (key built once), then writes.apply()":
+            closure_jitted,
+        "(c) vars args: step(vars, x, y)": lambda: pc(vars_c, x, y),
+    }
+    times = _shuffled_rounds({k: functools.partial(_one_call, f) for k, f in forms.items()},
+                             samples)
+    rows = [(k, statistics.median(v)) for k, v in times.items()]
+    case.sync()
+    writes = pb._jitted(key_b, tuple(v._state for v in captured), x, y)[2]
+    jax.block_until_ready(writes.states)
+    writes.apply()  # the variables now hold these arrays: apply() below rewrites the same ones
+    pieces = {
+        "  piece: check_can_run(strategy)": lambda: check_can_run(case.strategy),
+        "  piece: _compat.trace_state_clean()": _compat.trace_state_clean,
+        "  piece: (b) tuple(v._state for v in captured), 4 variables":
+            lambda: tuple(v._state for v in captured),
+        "  piece: (b) writes.apply(), 4 variables (no array freed)": writes.apply,
+        "  piece: (c) find the variables among the arguments (flatten, swap, unflatten, key)":
+            lambda: _jit_args(pc, ((vars_c, x, y), {})),
+        "  piece: of which jax.tree.flatten(((vars, x, y), {}))":
+            lambda: jax.tree.flatten(((vars_c, x, y), {})),
+    }
+    rows += [(k, _per_call(f, 2000, 7)) for k, f in pieces.items()]
+    case.sync()
+    case.check_counts("after the breakdown")  # the _jitted-only calls used the steps' programs
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# --ablation: jaxmirror's Python around the jitted call vs the jitted call itself, in a loop
+# ----------------------------------------------------------------------------------------------
+def ablation(case: Case, rounds: int, steps: int,
+             seconds: float) -> list[tuple[str, float, float, int]]:
+    """Steady-state loops of each style and of ``Program._jitted`` called directly.
+
+    The ``_jitted``-only loops call jaxmirror's cached ``jax.jit`` with the arguments the step
+    would pass (for the variables style a key built once; that loop then applies the writes to
+    (b)'s variables, as the step does) and keep the baseline's queue where jaxmirror keeps one.
+    Nothing in jaxmirror is patched. All loops run in random order each round. The variables are
+    not compared afterwards: two loops advance (b)'s. Returns (name, median s/step, median ratio
+    to the pytree step within a round, rounds).
+    """
+    case.sync()
+    pa, pb, bounded = case.pytree_step, case.closure_step, case.bounded
+    key_b, _, _ = _jit_args(pb, tuple(case.jm_batches[0]))
+    captured = pb._captured
+
+    def pytree_jitted(params, x, y):
+        out, _, _ = pa._jitted(None, (), params, x, y)
+        return out
+
+    def closure_jitted(_, x, y):
+        loss, _, writes = pb._jitted(key_b, tuple(v._state for v in captured), x, y)
+        writes.apply()
+        return None, loss
+
+    loops = [case.a, case.b, case.c,
+             Loop("(a) Program._jitted only", pytree_jitted, case.jm_batches, case.a.state,
+                  bound=bounded, params=None),
+             Loop("(b) Program._jitted only (key built once), then writes.apply()",
+                  closure_jitted, case.jm_batches, None, bound=bounded, params=None)]
+    for loop in loops[3:]:
+        loop.i = case.a.i
+        loop(2)
+    case.sync()
+    times = _shuffled_rounds({loop.name: functools.partial(_timed, loop, steps) for loop in loops},
+                             rounds, seconds)
+    case.sync()
+    case.check_counts("after the ablation")  # the _jitted-only loops used the steps' programs
+    ref = times[PYTREE]
+    return [(loop.name, statistics.median(times[loop.name]),
+             statistics.median([a / b for a, b in zip(times[loop.name], ref)]), len(ref))
+            for loop in loops]
+
+
+# ----------------------------------------------------------------------------------------------
+def _us(s: float | None) -> str:
+    if s is None:
+        return "n/a"
+    return f"{s * 1e6:+.1f}" if s < 0 else f"{s * 1e6:.1f}"
+
+
+def _ratio(r) -> str:
+    return f"{r[0]:.3f} [{r[1]:.3f}, {r[2]:.3f}]"
+
+
+def _tiny_case(cases: dict, n: int, args) -> Case:
+    """The tiny-model case on n replicas: the one timed already, or a new one, warmed up."""
+    case = cases.get(("tiny", n))
+    if case is None:
+        case = cases["tiny", n] = Case("tiny", n, args.assign)
+        for loop in case.loops:
+            loop(args.warmup)
+        case.check_agree("after warm-up")
+        case.warm_counts = case.counts()
+    return case
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", default="1,2,8", help="replica counts, comma-separated")
+    ap.add_argument("--models", default="tiny,small", help=f"from {sorted(MODELS)}")
+    ap.add_argument("--assign", choices=("values", "sub"), default="values",
+                    help="how the variables styles write: jaxmirror.assign_values(params, new) "
+                         "or v.assign_sub(lr * g) per variable")
+    ap.add_argument("--rounds", type=int, default=20,
+                    help="timed rounds per variant, at least (the main table rounds it up to whole "
+                         "rotations of the 5 variants)")
+    ap.add_argument("--case-seconds", type=float, default=4.0,
+                    help="after --rounds, go on with more rounds (up to 10x) until a case's timed "
+                         "rounds took this long (helps the short tiny steps)")
+    ap.add_argument("--steps-tiny", type=int, default=None, help="steps per round, tiny model")
+    ap.add_argument("--steps-small", type=int, default=None, help="steps per round, small model")
+    ap.add_argument("--dispatch-rounds", type=int, default=20,
+                    help=f"rounds of {MAX_IN_FLIGHT} un-awaited calls per variant")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
+    ap.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                    help="also split the per-call host time into its pieces (tiny model)")
+    ap.add_argument("--breakdown-samples", type=int, default=300,
+                    help="calls per form for the --breakdown table")
+    ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time steady-state loops of Program._jitted called directly, next "
+                         "to the three styles (tiny model)")
+    ap.add_argument("--quick", action="store_true", help="a fast sanity run (numbers are noisy)")
+    args = ap.parse_args(argv)
+
+    steps = {m: s for m, (_, _, s) in MODELS.items()}
+    if args.quick:
+        args.rounds, args.dispatch_rounds, args.warmup, args.breakdown_samples = 5, 5, 2, 30
+        args.case_seconds = 0.0
+        steps = {"tiny": 24, "small": 3}
+    if args.steps_tiny is not None:
+        steps["tiny"] = args.steps_tiny
+    if args.steps_small is not None:
+        steps["small"] = args.steps_small
+    ns = [int(s) for s in args.devices.split(",")]
+    models = [m.strip() for m in args.models.split(",")]
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    if max(ns) > jax.device_count():
+        print(f"need {max(ns)} devices, JAX has {jax.device_count()}: XLA_FLAGS must be set before "
+              f"JAX starts (this script sets {_FLAG}).", file=sys.stderr)
+        return 2
+
+    t_start = time.perf_counter()
+    print(f"# jaxmirror variables vs pytree step: {jax.device_count()} simulated "
+          f"{jax.default_backend()} devices, {os.cpu_count()} host cores, jax {jax.__version__}, "
+          f"Python {platform.python_version()}")
+    print(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    print(f"# jaxmirror from {os.path.dirname(jaxmirror.__file__)}")
+    print(f"# rounds >= {args.rounds} (5 variants rotated; more, up to 10x, while a case has "
+          f"taken < {args.case_seconds:g} s), steps/round={steps}, dispatch: "
+          f"{args.dispatch_rounds} rounds x {MAX_IN_FLIGHT} calls, warmup={args.warmup}, "
+          f"assign={args.assign}")
+    print(f"# with N >= 2 every loop keeps at most {MAX_IN_FLIGHT} steps in flight (jaxmirror's "
+          f"CPU bound; the baseline keeps the same queue by hand); with N = 1 none does")
+    for m in models:
+        g, sizes, _ = MODELS[m]
+        print(f"# {m}: global batch {g}, MLP {' -> '.join(map(str, sizes))}, SGD lr {LR}")
+    print()
+
+    results, cases = [], {}
+    for m in models:
+        for n in ns:
+            t0 = time.perf_counter()
+            case = Case(m, n, args.assign)
+            r = bench_case(case, args, steps[m])
+            results.append(r)
+            cases[(m, n)] = case
+            print(f"  done {m} N={n} in {time.perf_counter() - t0:.1f}s: (b)/(a) "
+                  f"{r['b_a'][0]:.3f}, (c)/(a) {r['c_a'][0]:.3f}", file=sys.stderr, flush=True)
+
+    print("µs/step (median over rounds) and ratios within a round (median [IQR]):")
+    print()
+    print("| model | N | rounds | (a) pytree | (b) vars closure | (c) vars args | baseline "
+          "| (b)/(a) | (c)/(a) | (a)/base | (b)/base | (c)/base | A/A base'/base "
+          "| params agree |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        agree = "bitwise" if r["exact"] else f"max abs diff {r['diff']:.1e}"
+        ms = r["ms"]
+        print(f"| {r['model']} | {r['n']} | {r['rounds']} | {_us(ms[PYTREE])} "
+              f"| {_us(ms[CLOSURE])} | {_us(ms[ARGS])} | {_us(ms[BASE])} "
+              f"| {_ratio(r['b_a'])} | {_ratio(r['c_a'])} "
+              f"| {r['a_d'][0]:.3f} | {r['b_d'][0]:.3f} | {r['c_d'][0]:.3f} "
+              f"| {r['control'][0]:.3f} | {agree} |")
+    print()
+    for m in models:
+        for key, label in (("b_a", "(b)/(a)"), ("c_a", "(c)/(a)")):
+            worst = max((r for r in results if r["model"] == m), key=lambda r: r[key][0])
+            verdict = "met" if worst[key][0] <= 1.05 else "NOT met"
+            print(f"{m}: worst median {label} {worst[key][0]:.3f} (N={worst['n']}); "
+                  f"goal <= 1.05 {verdict}.")
+    print()
+    print(f"Dispatch: µs per call to return from {MAX_IN_FLIGHT} calls started on an idle "
+          f"machine (median over rounds); Δ are medians of within-round differences:")
+    print()
+    print("| model | N | (a) pytree | (b) vars closure | (c) vars args | baseline "
+          "| Δ (b)-(a) | Δ (c)-(a) | Δ A/A base'-base | trace, compile counts (a), (b), (c) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        us, c = r["us"], r["counts"]
+        print(f"| {r['model']} | {r['n']} | {_us(us[PYTREE])} | {_us(us[CLOSURE])} "
+              f"| {_us(us[ARGS])} | {_us(us[BASE])} | {_us(r['d_b_a'])} | {_us(r['d_c_a'])} "
+              f"| {_us(r['d_control'])} "
+              f"| {', '.join(f'{t}/{k}' for t, k in (c[PYTREE], c[CLOSURE], c[ARGS]))} |")
+
+    bns = sorted(set(ns))
+    if args.breakdown:
+        print()
+        print(f"Per-call host time of the tiny step, µs: end-to-end rows are the median time to "
+              f"return from one call made on an idle machine ({args.breakdown_samples} calls per "
+              f"form, forms interleaved at random); 'piece' rows are timeit loops (warm caches).")
+        print()
+        print("| form / piece | " + " | ".join(f"N={n}" for n in bns) + " |")
+        print("|---|" + "---|" * len(bns))
+        table = {n: breakdown(_tiny_case(cases, n, args), args.breakdown_samples) for n in bns}
+        for i, (name, _) in enumerate(table[bns[0]]):
+            print(f"| {name} | " + " | ".join(_us(table[n][i][1]) for n in bns) + " |")
+
+    if args.ablation:
+        print()
+        print(f"Ablation, tiny model: steady-state loops ({steps['tiny']} steps a round, "
+              f"loops in random order each round); µs/step, and in brackets the median ratio to "
+              f"(a) pytree within a round.")
+        print()
+        print("| loop | " + " | ".join(f"N={n}" for n in bns) + " |")
+        print("|---|" + "---|" * len(bns))
+        table = {}
+        for n in bns:
+            table[n] = ablation(_tiny_case(cases, n, args), args.rounds, steps["tiny"],
+                                args.case_seconds)
+            print(f"  ablation N={n} done", file=sys.stderr, flush=True)
+        print("| rounds | " + " | ".join(str(table[n][0][3]) for n in bns) + " |")
+        for i, (name, _, _, _) in enumerate(table[bns[0]]):
+            cells = [f"{table[n][i][1] * 1e6:.1f} ({table[n][i][2]:.3f})" for n in bns]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+    print()
+    print(f"# total {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
