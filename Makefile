@@ -23,6 +23,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/step_overhead.py
+	$(PY) benchmarks/variables.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

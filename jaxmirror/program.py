@@ -129,7 +129,8 @@ class Program:
                     raise self._transformed_error()
                 out, token, writes = self._jitted(self._captured_key,
                                                   tuple(map(_STATE, captured)), *args, **kwargs)
-                writes.apply()  # the call succeeded: now every assignment takes effect
+                for i, state in writes.items():  # the call succeeded: now every write lands
+                    captured[i]._state = state
             else:
                 out, token, _ = self._jitted(None, (), *args, **kwargs)
         except _Discovered as found:  # the step reads variables by closure
@@ -155,7 +156,9 @@ class Program:
         except _Discovered as found:
             self._capture(found.variables)
             return self._call_with_variable_args(args, kwargs)
-        writes.apply()
+        variables = key[1] + captured
+        for i, state in writes.items():
+            variables[i]._state = state
         if self._track:
             _inflight.track_array(token if token is not None else self._handle(out))
         return out
@@ -236,7 +239,7 @@ class Program:
         # A step with no outputs still queues collectives: give the in-flight bound a handle.
         token = None if results else jnp.zeros((), jnp.int32)
         return (jax.tree.unflatten(traced.out_tree, results), token,
-                _Writes(traced.written, tuple(new_states)))
+                dict(zip(traced.written, new_states)))
 
     def _trace_user_function(self, in_tree, n_args, local, bound) -> _Traced:
         """Trace the user's function once, for one replica.
@@ -287,10 +290,14 @@ class Program:
                 raise _Discovered(tuple(frame.discovered))
             smallest = min(range(len(outs)), key=lambda i: outs[i].size, default=None)
             slots = frame.written()
+            # Which variable each write is for: its index among the bound ones (arguments'
+            # first, then captured), a plain dict key, so jit rebuilds the writes in C++.
+            bound_vars = list(arg_vars) + list(captured)
+            index = {id(v): bound_vars.index(v) for v in reversed(bound_vars)}
             found.update(
                 out_tree=tree,
                 handle_path=() if smallest is None else _getters(with_paths[smallest][0]),
-                written=tuple(s.var for s in slots),
+                written=tuple(index[id(s.var)] for s in slots),
                 # A sync-on-read variable keeps one component per replica, even when they agree.
                 force_varying=[False] * len(outs) + [s.var._on_read and n > 1 for s in slots],
             )
@@ -311,7 +318,7 @@ class _Traced(NamedTuple):
     jaxpr: object  # a ClosedJaxpr with one shard_map equation
     out_tree: object  # the structure of the step's results
     handle_path: tuple  # getters to the smallest result, for the in-flight bound
-    written: tuple  # the variables the step assigned (their arrays are the last outputs)
+    written: tuple  # which bound variables the step assigned (their arrays are the last outputs)
     force_varying: list  # outputs that stay per-replica whatever the analysis says
 
 
@@ -349,22 +356,3 @@ class _Discovered(Exception):
     def __init__(self, variables: tuple):
         super().__init__(f"{len(variables)} variable(s) captured by closure")
         self.variables = variables
-
-
-class _Writes:
-    """The variables a call assigned and their new arrays (an output of the jitted program)."""
-
-    __slots__ = ("variables", "states")
-
-    def __init__(self, variables: tuple, states: tuple):
-        self.variables = variables
-        self.states = states
-
-    def apply(self) -> None:
-        for var, state in zip(self.variables, self.states):
-            var._state = state
-
-
-jax.tree_util.register_pytree_node(
-    _Writes, lambda w: (w.states, w.variables), lambda variables, states: _Writes(variables, tuple(states))
-)

@@ -84,6 +84,8 @@ class Variable:
     def __new__(cls, initial_value=None, trainable=None, synchronization=Sync.AUTO,
                 aggregation=Agg.NONE, dtype=None, name=None):
         if cls is not Variable:
+            if initial_value is None:  # copy and pickle make the object first, then fill it
+                return object.__new__(cls)
             raise TypeError(f"Create variables with jaxmirror.Variable(...): inside a strategy's "
                             f"scope it is a {cls.__name__} when the synchronization says so.")
         sync = as_synchronization(synchronization)
