@@ -446,6 +446,12 @@ def bench_case(case: Case, args, steps: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 # --breakdown: where the variables styles' per-call host time goes
 # ----------------------------------------------------------------------------------------------
+def _apply(writes, variables):
+    """Program.__call__'s write-back: ``writes`` maps a bound variable's index to its new array."""
+    for i, state in writes.items():
+        variables[i]._state = state
+
+
 def _jit_args(prog, args):
     """What ``Program`` hands ``Program._jitted`` for these step arguments.
 
@@ -490,7 +496,7 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
 
     def closure_jitted():
         loss, _, writes = pb._jitted(key_b, tuple(v._state for v in captured), x, y)
-        writes.apply()
+        _apply(writes, captured)
         return loss
 
     forms = {
@@ -498,7 +504,7 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         "(a) pytree: step(params, x, y)": pytree_call,
         "(a) pytree: Program._jitted only": pytree_jitted,
         "(b) vars closure: step(x, y)": lambda: pb(x, y),
-        "(b) vars closure: Program._jitted only (key built once), then writes.apply()":
+        "(b) vars closure: Program._jitted only (key built once), then the write-back":
             closure_jitted,
         "(c) vars args: step(vars, x, y)": lambda: pc(vars_c, x, y),
     }
@@ -507,14 +513,14 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
     rows = [(k, statistics.median(v)) for k, v in times.items()]
     case.sync()
     writes = pb._jitted(key_b, tuple(v._state for v in captured), x, y)[2]
-    jax.block_until_ready(writes.states)
-    writes.apply()  # the variables now hold these arrays: apply() below rewrites the same ones
+    jax.block_until_ready(writes)
+    _apply(writes, captured)  # the variables now hold these arrays: the piece rewrites the same
     pieces = {
         "  piece: check_can_run(strategy)": lambda: check_can_run(case.strategy),
         "  piece: _compat.trace_state_clean()": _compat.trace_state_clean,
         "  piece: (b) tuple(v._state for v in captured), 4 variables":
             lambda: tuple(v._state for v in captured),
-        "  piece: (b) writes.apply(), 4 variables (no array freed)": writes.apply,
+        "  piece: (b) write back, 4 variables (no array freed)": lambda: _apply(writes, captured),
         "  piece: (c) find the variables among the arguments (flatten, swap, unflatten, key)":
             lambda: _jit_args(pc, ((vars_c, x, y), {})),
         "  piece: of which jax.tree.flatten(((vars, x, y), {}))":
@@ -551,13 +557,13 @@ def ablation(case: Case, rounds: int, steps: int,
 
     def closure_jitted(_, x, y):
         loss, _, writes = pb._jitted(key_b, tuple(v._state for v in captured), x, y)
-        writes.apply()
+        _apply(writes, captured)
         return None, loss
 
     loops = [case.a, case.b, case.c,
              Loop("(a) Program._jitted only", pytree_jitted, case.jm_batches, case.a.state,
                   bound=bounded, params=None),
-             Loop("(b) Program._jitted only (key built once), then writes.apply()",
+             Loop("(b) Program._jitted only (key built once), then the write-back",
                   closure_jitted, case.jm_batches, None, bound=bounded, params=None)]
     for loop in loops[3:]:
         loop.i = case.a.i
