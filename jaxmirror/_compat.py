@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax._src import core as _core  # trace_state_clean has no public spelling in 0.10
+from jax._src.interpreters import partial_eval as _pe  # nor the jaxpr-recording trace
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -37,6 +38,16 @@ def abstract_key(x):
     return (aval.shape, aval.dtype, getattr(aval, "weak_type", False))
 
 
+def current_trace():
+    """The JAX trace operations are bound to right now (the eval trace outside transformations)."""
+    return _core.trace_ctx.trace
+
+
+def is_staging(trace) -> bool:
+    """Whether ``trace`` records a jaxpr (jit, scan/cond/while bodies, shard_map, remat)."""
+    return isinstance(trace, _pe.DynamicJaxprTrace)
+
+
 # False while a JAX transformation (jit, grad, scan, ...) is tracing. The bound method itself:
 # it is on the hot path of steps that use variables.
 trace_state_clean = _core.trace_ctx.is_top_level
@@ -61,6 +72,6 @@ def backend_started() -> bool:
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "abstract_key", "local_abstract_key", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec",
-    "backend_started", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
+    "backend_started", "current_trace", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
     "make_mesh", "set_cpu_device_count", "shard_map", "trace_state_clean",
 ]

@@ -18,7 +18,18 @@ import threading
 
 import jax.numpy as jnp
 
+from jaxmirror import _compat
+
 _local = threading.local()
+
+
+class Discovered(Exception):
+    """Raised out of the trace (and of ``jax.jit``) when it met variables the program does not
+    take as inputs yet; ``run`` adds them and traces again."""
+
+    def __init__(self, variables: tuple):
+        super().__init__(f"{len(variables)} variable(s) captured by closure")
+        self.variables = variables
 
 
 class Slot:
@@ -61,11 +72,13 @@ class Frame:
             or is left to its eager behaviour (``update``).
     """
 
-    def __init__(self, strategy, axis_name, discover: bool):
+    def __init__(self, strategy, axis_name, discover: bool, adopt=None):
         self.strategy = strategy
         self.axis_name = axis_name
         self.num_replicas = strategy.num_replicas_in_sync
         self.discover = discover
+        self.adopt = adopt  # eager update: the value a variable met inside ``fn`` starts from
+        self.trace = _compat.current_trace()  # writes must happen at this level, not nested
         self.slots: dict[int, Slot] = {}
         self.discovered: list = []
 
@@ -78,13 +91,29 @@ class Frame:
     def lookup(self, var) -> Slot | None:
         """The variable's slot; a first meeting in a ``run`` trace discovers the variable."""
         slot = self.slots.get(id(var))
-        if slot is not None or not self.discover:
+        if slot is not None:
+            if self.discovered and any(var is d for d in self.discovered) and self._nested():
+                raise Discovered(tuple(self.discovered))
             return slot
+        if self.adopt is not None:  # inside update's fn every variable is a component
+            slot = self.bind(var, self.adopt(var), mirrored=not var._is_stacked)
+            slot.updating = 1
+            return slot
+        if not self.discover:
+            return None
         var._check_usable_in(self.strategy)
         self.discovered.append(var)
+        if self._nested():
+            # A nested jax.jit (or scan/cond body) may cache its trace: it must never see the
+            # placeholder. Stop here; the retrace passes the variable in.
+            raise Discovered(tuple(self.discovered))
         # A placeholder of the right per-replica shape lets the trace finish; it is thrown away.
         placeholder = jnp.zeros(var.shape, var.dtype)
         return self.bind(var, placeholder, mirrored=not var._is_stacked)
+
+    def _nested(self) -> bool:
+        trace = _compat.current_trace()
+        return trace is not self.trace and _compat.is_staging(trace)
 
     def written(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.written]

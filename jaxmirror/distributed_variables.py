@@ -17,7 +17,7 @@ from jax import lax
 from jaxmirror import binding
 from jaxmirror.reduce_op import ReduceOp, VariableAggregation
 from jaxmirror.values import DistributedValues, GatheredPerReplica, Mirrored, PerReplica, components
-from jaxmirror.variables import Variable, _combine
+from jaxmirror.variables import Variable, _combine, _owned
 
 Agg = VariableAggregation
 
@@ -131,7 +131,7 @@ class MirroredVariable(_DistributedVariable):
         slot.write(new, slot.mirrored or method == "assign")
 
     def _eager_write(self, method, value):
-        new = self._convert(value, method)
+        new = _owned(self._convert(value, method))
         ext = self._strategy.extended
         if method == "assign":
             return ext._replicate(new)
@@ -215,7 +215,7 @@ class SyncOnReadVariable(_DistributedVariable):
 
     def _eager_write(self, method, value):
         ext = self._strategy.extended
-        new = self._cross_value(method, value, self._num_replicas)
+        new = _owned(self._cross_value(method, value, self._num_replicas))
         if self._num_replicas == 1:
             return ext._replicate(new if method == "assign" else _combine(method, self._state, new))
         if method == "assign":

@@ -98,6 +98,7 @@ class Program:
         self._traced = {}  # per-replica input signature -> _Traced
         self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended._bound_in_flight
+        self._donate_argnums = tuple(donate_argnums)
         self._variable_args = False  # the step was given variables as arguments
         self._captured = ()  # variables the step reaches by closure, found while tracing
         self._captured_key = None  # the binding of a call without variable arguments
@@ -133,7 +134,7 @@ class Program:
                     captured[i]._state = state
             else:
                 out, token, _ = self._jitted(None, (), *args, **kwargs)
-        except _Discovered as found:  # the step reads variables by closure
+        except binding.Discovered as found:  # the step reads variables by closure
             self._capture(found.variables)
             return self(*args, **kwargs)
         except (TypeError, ValueError):  # jax.jit refuses Variable arguments
@@ -147,13 +148,15 @@ class Program:
 
     def _call_with_variable_args(self, args, kwargs):
         """A call whose arguments may hold variables: they go in as their arrays."""
-        if not _compat.trace_state_clean():
-            raise self._transformed_error()
         captured = self._captured
         key, a, k = _take_variables(args, kwargs, captured)
+        if (key[1] or captured) and not _compat.trace_state_clean():
+            raise self._transformed_error()
+        if key[1] and self._donate_argnums:
+            self._check_not_donating_variables(args)
         try:
             out, token, writes = self._jitted(key, tuple(map(_STATE, captured)), *a, **k)
-        except _Discovered as found:
+        except binding.Discovered as found:
             self._capture(found.variables)
             return self._call_with_variable_args(args, kwargs)
         variables = key[1] + captured
@@ -162,6 +165,15 @@ class Program:
         if self._track:
             _inflight.track_array(token if token is not None else self._handle(out))
         return out
+
+    def _check_not_donating_variables(self, args) -> None:
+        for i in self._donate_argnums:
+            if i < len(args) and any(isinstance(x, Variable) for x in jax.tree.leaves(args[i])):
+                raise ValueError(
+                    f"{self.__name__}: `donate_argnums` includes argument {i}, which holds "
+                    f"jaxmirror Variables; a variable's array is its state and cannot be donated. "
+                    f"Donate only arrays (variables are written back after the call anyway)."
+                )
 
     def _capture(self, variables: tuple) -> None:
         self._captured = self._captured + variables
@@ -258,7 +270,7 @@ class Program:
             computation on per-replica inputs, and what ``_trace`` needs to emit it.
 
         Raises:
-            _Discovered: when the step reached variables it does not take as inputs yet.
+            binding.Discovered: when the step reached variables it does not take as inputs yet.
         """
         self.trace_count += 1
         strategy = self._strategy
@@ -287,7 +299,7 @@ class Program:
                 with_paths, tree = jax.tree_util.tree_flatten_with_path(result)
                 outs = [_as_output_array(x, path) for path, x in with_paths]
             if frame.discovered:
-                raise _Discovered(tuple(frame.discovered))
+                raise binding.Discovered(tuple(frame.discovered))
             smallest = min(range(len(outs)), key=lambda i: outs[i].size, default=None)
             slots = frame.written()
             # Which variable each write is for: its index among the bound ones (arguments'
@@ -348,11 +360,3 @@ def _take_variables(args, kwargs, captured):
             leaves[i] = x._state
     args, kwargs = jax.tree.unflatten(tree, leaves)
     return (tuple(positions), tuple(variables), captured), args, kwargs
-
-
-class _Discovered(Exception):
-    """Raised out of ``jax.jit`` when a trace met variables the program does not take yet."""
-
-    def __init__(self, variables: tuple):
-        super().__init__(f"{len(variables)} variable(s) captured by closure")
-        self.variables = variables

@@ -17,7 +17,7 @@ from jaxmirror import _compat, binding, context, cross_replica, devices as devic
 from jaxmirror.reduce_op import reduce_op_of
 from jaxmirror.replica_context import _is_opaque
 from jaxmirror.values import DistributedValues, GatheredPerReplica, Mirrored, PerReplica, components
-from jaxmirror.variables import Variable
+from jaxmirror.variables import Variable, _owned
 
 
 # -- reduce_to / batch_reduce_to ------------------------------------------------------------------
@@ -34,6 +34,7 @@ def _placement(strategy, destinations):
     """The sharding a reduced value takes at ``destinations`` (eager only)."""
     ext = strategy.extended
     if isinstance(destinations, Variable):
+        destinations._check_usable_in(strategy)
         state = destinations._state
         if isinstance(state, PerReplica) or destinations._num_replicas > 1:
             return ext.replicated_sharding
@@ -142,7 +143,9 @@ def _eager_update(strategy, var, fn, args, kwargs, group):
     written: dict = {}
     results = []
     for i in rounds:
-        frame = binding.Frame(strategy, None, discover=False)
+        # A variable ``fn`` reaches by closure is bound too, so its write waits like the others.
+        frame = binding.Frame(strategy, None, discover=False,
+                              adopt=lambda v, i=i: _component(v._state, i))
         for v in variables:
             state = v._state
             frame.bind(v, components(state.stacked)[i] if isinstance(state, PerReplica) else state,
@@ -154,6 +157,13 @@ def _eager_update(strategy, var, fn, args, kwargs, group):
                                         out))
         for slot in frame.written():
             written.setdefault(id(slot.var), (slot.var, []))[1].append(slot.value)
+    for v, values in written.values():
+        if any(_compat.is_tracer(x) for x in values):
+            raise ValueError(
+                f"update: `fn` wrote a traced value to variable {v.name!r}: `update` was called "
+                f"inside jax.jit/jax.grad, where its writes would be lost. Call it outside, or "
+                f"inside `run`'s step."
+            )
     for v, values in written.values():  # all calls succeeded: now write
         v._state = _store(v, values)
     if rounds == [None]:
@@ -178,10 +188,10 @@ def _component(x, i):
 def _store(var, values: list):
     """The new state of ``var`` from the value each round wrote."""
     if var._strategy is None:
-        return jnp.asarray(values[0])
+        return jnp.asarray(_owned(values[0]))
     ext = var._strategy.extended
     if len(values) == 1:
         if var._on_read and var._num_replicas > 1:
             return ext._stack_copies(values[0])
-        return ext._replicate(values[0])
+        return ext._replicate(_owned(values[0]))
     return ext._stack_components([np.asarray(x) for x in values])

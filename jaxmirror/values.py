@@ -122,6 +122,7 @@ class GatheredPerReplica(PerReplica):
 
     @property
     def axis_name(self) -> str:
+        """The replica axis the component's collectives run over."""
         return self._axis_name
 
     @property
@@ -196,6 +197,13 @@ jax.tree_util.register_pytree_node(
     PerReplica,
     lambda v: ((v._stacked,), None),
     lambda _, children: PerReplica(children[0]),
+)
+# Inside a merge_fn, jax.tree.map over a per-replica value maps its component, as it maps an
+# eager PerReplica's stacked array: optax-style code works on both.
+jax.tree_util.register_pytree_node(
+    GatheredPerReplica,
+    lambda v: ((v._local,), v._axis_name),
+    lambda axis_name, children: GatheredPerReplica(children[0], axis_name),
 )
 jax.tree_util.register_pytree_node(
     Mirrored,

@@ -48,7 +48,10 @@ class Variable:
     write its own). Operators (``v + 1``, ``v @ w``, ``v[0]``) act on the value, and so do
     ``jnp.asarray(v)`` and ``np.asarray(v)``; pass ``v.value()`` to other ``jnp`` functions.
     Variables are not pytrees: ``jax.tree`` treats them as leaves (see ``read_values`` /
-    ``assign_values`` for pytrees of them).
+    ``assign_values`` for pytrees of them). Inside a step, read variables anywhere, but assign
+    them in the step itself, not inside a nested ``jax.jit``, ``jax.grad`` or ``lax`` control
+    flow body (compute the value there and assign it after); a step that uses variables cannot
+    itself be called inside ``jax.jit``.
 
     Args:
         initial_value: an array, a Python number, or a callable returning one.
@@ -129,7 +132,9 @@ class Variable:
             raise ValueError(f"initial_value of variable {name!r} is a traced value; create "
                              f"variables outside jax.jit and `run`.")
         value = jnp.asarray(value)
-        value = jnp.asarray(value, dtype=dtype or value.dtype)  # an explicit dtype: not weak
+        # An explicit dtype: not weak. A copy: the variable owns its buffer (TF copies too), so
+        # donating the initial array elsewhere cannot delete the variable's value.
+        value = jnp.array(value, dtype=dtype or value.dtype, copy=True)
         self._strategy = strategy
         self._synchronization = sync
         self._aggregation = agg
@@ -194,9 +199,10 @@ class Variable:
     def _check_usable_in(self, strategy) -> None:
         if self._strategy is not None and self._strategy is not strategy:
             raise ValueError(
-                f"Variable {self._name!r} was created in the scope of {self._strategy!r}; a step "
-                f"run by {strategy!r} cannot use it. Create it inside `strategy.scope()` of the "
-                f"strategy that runs the step."
+                f"Variable {self._name!r} was created in the scope of another strategy object "
+                f"({self._strategy!r} at {id(self._strategy):#x}); {strategy!r} at "
+                f"{id(strategy):#x} cannot use it. Create it inside `strategy.scope()` of the "
+                f"strategy that uses it."
             )
 
     def _slot(self):
@@ -368,6 +374,13 @@ class Variable:
 
     def _write(self, method: str, value, read_value: bool):
         slot = self._slot()
+        if slot is not None and _compat.current_trace() is not binding.current().trace:
+            raise ValueError(
+                f"Variable {self._name!r}: `{method}` inside a nested JAX transformation "
+                f"(jax.jit, jax.grad, lax.scan/fori_loop/cond, ... within the step, or around an "
+                f"update) is not supported: its traced value would escape. Compute the new value "
+                f"there, return it, and assign it in the step itself."
+            )
         if slot is None:
             if _compat.is_tracer(value) or (isinstance(value, Variable) and value._slot()):
                 raise ValueError(
@@ -388,7 +401,7 @@ class Variable:
         return self if read_value else None
 
     def _eager_write(self, method: str, value):
-        new = self._convert(value, method)
+        new = _owned(self._convert(value, method))
         if method != "assign":
             new = _combine(method, self._state, new)
         if self._strategy is None:
@@ -462,6 +475,11 @@ class Variable:
 
     def __repr__(self) -> str:
         return self._components_repr()[0]
+
+
+def _owned(x):
+    """``x``, or a copy of it when it is an array someone else may hold (and donate)."""
+    return x.copy() if isinstance(x, jax.Array) and not _compat.is_tracer(x) else x
 
 
 def _combine(method: str, old, delta):

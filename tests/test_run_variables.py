@@ -176,3 +176,126 @@ def test_one_device_and_default_strategy_variables_in_steps():
     w = jm.Variable(1.0)  # no strategy: the default strategy calls the function directly
     jm.get_strategy().run(lambda: w.assign_add(1.0))
     assert float(w.numpy()) == 2.0
+
+
+# -- found in review ----------------------------------------------------------------------------
+def test_variable_read_inside_a_nested_jit_helper_is_current():
+    s = mirrored(2)
+    with s.scope():
+        v = jm.Variable(1.0)
+
+    @jax.jit
+    def helper(x):
+        return x * v.read_value()  # the first meeting of `v` is inside this jit's trace
+
+    step = s.function(lambda x: helper(x))
+    assert float(step(jnp.float32(2.0))) == 2.0
+    v.assign(5.0)
+    assert float(step(jnp.float32(2.0))) == 10.0
+
+
+def test_assignments_inside_nested_transformations_are_refused():
+    s = mirrored(2)
+    with s.scope():
+        v = jm.Variable(0.0)
+
+    def in_cond(x):
+        jax.lax.cond(x > 0, lambda: v.assign(x, read_value=False), lambda: None)
+
+    def in_jit(x):
+        jax.jit(lambda y: v.assign_add(y, read_value=False) or y)(x)
+
+    for fn in (in_cond, in_jit):
+        with pytest.raises(ValueError, match="inside a nested JAX transformation"):
+            s.run(fn, args=(jnp.float32(1.0),))
+    assert comps(v) == [0.0, 0.0]
+
+
+def test_variable_arguments_cannot_be_donated():
+    s = mirrored(2)
+    with s.scope():
+        v = jm.Variable(jnp.ones(4))
+    options = jm.RunOptions(donate_argnums=(0,))
+    with pytest.raises(ValueError, match="donate_argnums.*holds jaxmirror Variables"):
+        s.run(lambda v, x: v.read_value() * 2 + x, args=(v, jnp.zeros(4)), options=options)
+    assert [np.asarray(c).tolist() for c in v.values] == [[1.0] * 4] * 2
+
+
+def test_a_variable_owns_its_buffer():
+    s = mirrored(2)
+    x = jax.device_put(jnp.ones(4), s.extended.replicated_sharding)
+    with s.scope():
+        v = jm.Variable(x)
+        w = jm.Variable(0.0)
+    y = jax.device_put(jnp.full(4, 3.0), s.extended.replicated_sharding)
+    w2 = jm.Variable(jnp.zeros(4))
+    w2.assign(y)
+    donate = jm.RunOptions(donate_argnums=(0,))
+    s.run(lambda p: p + 1, args=(x,), options=donate)
+    s.run(lambda p: p + 1, args=(y,), options=donate)
+    assert x.is_deleted() and y.is_deleted()
+    assert np.asarray(v.numpy()).tolist() == [1.0] * 4
+    assert np.asarray(w2.numpy()).tolist() == [3.0] * 4
+    assert float(w.numpy()) == 0.0
+
+
+def test_update_under_jit_or_grad_is_refused():
+    s = mirrored(2)
+    with s.scope():
+        v = jm.Variable(0.0)
+    with pytest.raises(ValueError, match="traced value"):
+        jax.jit(lambda x: s.extended.update(v, lambda v, x: v.assign(x), args=(x,)).value)(
+            jnp.float32(1.0))
+    w = jm.Variable(1.0)
+    with pytest.raises(ValueError, match="traced value"):
+        jax.grad(lambda x: jm.get_strategy().extended.update(w, lambda w, x: w.assign(x * 2),
+                                                               args=(x,)))(2.0)
+    assert comps(v) == [0.0, 0.0] and float(w.numpy()) == 1.0
+
+
+def test_eager_update_writes_variables_reached_by_closure_only_if_fn_succeeds():
+    s = mirrored(2)
+    with s.scope():
+        a = jm.Variable(1.0)
+        other = jm.Variable(2.0)
+
+    def fn(var):
+        other.assign(20.0)
+        var.assign(10.0)
+        raise OverflowError("late")
+
+    with pytest.raises(OverflowError):
+        s.extended.update(a, fn)
+    assert comps(a) == [1.0, 1.0] and comps(other) == [2.0, 2.0]
+    s.extended.update(a, lambda var: (other.assign(20.0), var.assign(10.0)))
+    assert comps(a) == [10.0, 10.0] and comps(other) == [20.0, 20.0]
+
+
+def test_tree_map_over_per_replica_values_in_merge_fn():
+    s = mirrored(2)
+
+    def merge_fn(strategy, grads):
+        doubled = jax.tree.map(lambda g: g * 2, grads)
+        return strategy.reduce("sum", doubled, axis=None)
+
+    out = s.run(lambda: jm.get_replica_context().merge_call(
+        merge_fn, args=({"w": rid() + 1.0},)))
+    assert float(out["w"]) == 6.0
+
+
+def test_step_given_variables_once_still_composes_with_jit_for_arrays():
+    s = mirrored(2)
+    with s.scope():
+        v = jm.Variable(1.0)
+    step = s.function(lambda x: x * 2.0)
+    assert float(step(v)) == 2.0
+    assert float(jax.jit(step)(jnp.float32(3.0))) == 6.0
+
+
+def test_reduce_to_a_variable_of_another_strategy_is_refused():
+    s, other = mirrored(2), mirrored(2)
+    with other.scope():
+        v = jm.Variable(0.0)
+    value = s.experimental_distribute_values_from_function(lambda ctx: np.float32(1))
+    with pytest.raises(ValueError, match="another strategy object"):
+        s.extended.reduce_to("sum", value, v)
