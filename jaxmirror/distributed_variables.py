@@ -127,8 +127,7 @@ class MirroredVariable(_DistributedVariable):
             raise _non_distributed_sum_error(value)
         delta = self._convert(value, method)
         combined = _aggregate(self._aggregation, delta, frame.axis_name, n).astype(self._dtype)
-        new = combined if method == "assign" else _combine(method, slot.value, combined)
-        slot.write(new, slot.mirrored or method == "assign")
+        slot.write(_combine(method, slot.value, combined), slot.mirrored or method == "assign")
 
     def _eager_write(self, method, value):
         new = _owned(self._convert(value, method))
@@ -191,10 +190,8 @@ class SyncOnReadVariable(_DistributedVariable):
         return _aggregate(agg, slot.value, frame.axis_name, frame.num_replicas).astype(self._dtype)
 
     def _replica_write(self, slot, method, value):
-        new = self._convert(value, method)
-        if method != "assign":
-            new = _combine(method, slot.value, new)
-        slot.write(new, binding.current().num_replicas == 1)
+        slot.write(_combine(method, slot.value, self._convert(value, method)),
+                   binding.current().num_replicas == 1)
 
     def _cross_value(self, method: str, value, n: int):
         if method != "assign" and self._aggregation is Agg.SUM:
@@ -209,15 +206,13 @@ class SyncOnReadVariable(_DistributedVariable):
 
     def _traced_cross_write(self, slot, method, value):
         new = self._cross_value(method, value, binding.current().num_replicas)
-        if method != "assign":
-            new = _combine(method, slot.value, new)
-        slot.write(new, slot.mirrored and method == "assign")
+        slot.write(_combine(method, slot.value, new), slot.mirrored and method == "assign")
 
     def _eager_write(self, method, value):
         ext = self._strategy.extended
         new = _owned(self._cross_value(method, value, self._num_replicas))
         if self._num_replicas == 1:
-            return ext._replicate(new if method == "assign" else _combine(method, self._state, new))
+            return ext._replicate(_combine(method, self._state, new))
         if method == "assign":
             return ext._stack_copies(new)
         return PerReplica(ext._place_stacked(_combine(method, self._state.stacked,

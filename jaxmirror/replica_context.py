@@ -202,7 +202,8 @@ class ReplicaContext:
         with context.pushed(context.Entry(strategy, None, in_run=entry.in_run)):
             result = merge_fn(strategy, *args, **kwargs)
         if distributed:
-            result = jax.tree.map(self._lower, result, is_leaf=_is_opaque)
+            result = jax.tree.map(lambda x: this_replica(x, self._axis_name), result,
+                                  is_leaf=_is_opaque)
         return result
 
     def _lift(self, x):
@@ -211,20 +212,20 @@ class ReplicaContext:
             return GatheredPerReplica(x, self._axis_name)
         return x
 
-    def _lower(self, x):
-        """A ``merge_fn`` result as this replica's value."""
-        if isinstance(x, GatheredPerReplica):
-            return x.local
-        if isinstance(x, PerReplica):
-            return lax.dynamic_index_in_dim(x.stacked, lax.axis_index(self._axis_name), 0,
-                                            keepdims=False)
-        if isinstance(x, Mirrored):
-            return x.value
-        return x
-
     def __repr__(self) -> str:
         return (f"ReplicaContext(strategy={self._strategy!r}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+def this_replica(x, axis_name):
+    """A cross-replica value (in a ``merge_fn``) as this replica sees it: its component."""
+    if isinstance(x, GatheredPerReplica):
+        return x.local
+    if isinstance(x, PerReplica):
+        return lax.dynamic_index_in_dim(x.stacked, lax.axis_index(axis_name), 0, keepdims=False)
+    if isinstance(x, Mirrored):
+        return x.value
+    return x
 
 
 def _is_opaque(x) -> bool:

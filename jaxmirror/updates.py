@@ -11,13 +11,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxmirror import _compat, binding, context, cross_replica, devices as devices_lib
 from jaxmirror.reduce_op import reduce_op_of
-from jaxmirror.replica_context import _is_opaque
+from jaxmirror.replica_context import _is_opaque, this_replica
 from jaxmirror.values import DistributedValues, GatheredPerReplica, Mirrored, PerReplica, components
-from jaxmirror.variables import Variable, _owned
+from jaxmirror.variables import Variable, _owned, read_values
 
 
 # -- reduce_to / batch_reduce_to ------------------------------------------------------------------
@@ -104,23 +103,14 @@ def _variables_in(tree) -> list:
 
 def _traced_update(strategy, frame, var, fn, args, kwargs, group):
     """``update`` inside a ``merge_fn``: one SPMD call of ``fn`` updates every component."""
-    varying = []
-
-    def this_replica(x):
-        if isinstance(x, GatheredPerReplica):
-            varying.append(x)
-            return x.local
-        if isinstance(x, PerReplica):
-            varying.append(x)
-            return lax.dynamic_index_in_dim(x.stacked, lax.axis_index(frame.axis_name), 0,
-                                            keepdims=False)
-        return x.value if isinstance(x, Mirrored) else x
-
-    args, kwargs = jax.tree.map(this_replica, (tuple(args), kwargs), is_leaf=_is_opaque)
+    varying = any(isinstance(x, PerReplica)
+                  for x in jax.tree.leaves((args, kwargs), is_leaf=_is_opaque))
+    args, kwargs = jax.tree.map(lambda x: this_replica(x, frame.axis_name), (tuple(args), kwargs),
+                                is_leaf=_is_opaque)
     slots = [frame.lookup(v) for v in _variables_in((var, args, kwargs))]
     with binding.updating(slots, mirrored=not varying):
         result = fn(var, *args, **kwargs)
-        result = jax.tree.map(lambda x: x.read_value() if isinstance(x, Variable) else x, result)
+        result = read_values(result)
     n = frame.num_replicas
     if n == 1:
         return result
@@ -153,8 +143,7 @@ def _eager_update(strategy, var, fn, args, kwargs, group):
         a, k = jax.tree.map(lambda x: _component(x, i), (tuple(args), kwargs), is_leaf=_is_opaque)
         with binding.pushed(frame), binding.updating(list(frame.slots.values()), mirrored=True):
             out = fn(var, *a, **k)
-            results.append(jax.tree.map(lambda x: x.read_value() if isinstance(x, Variable) else x,
-                                        out))
+            results.append(read_values(out))
         for slot in frame.written():
             written.setdefault(id(slot.var), (slot.var, []))[1].append(slot.value)
     for v, values in written.values():

@@ -390,9 +390,7 @@ class Variable:
                 )
             self._state = self._eager_write(method, value)
         elif slot.updating:
-            new = self._convert(value, method)
-            if method != "assign":
-                new = _combine(method, slot.value, new)
+            new = _combine(method, slot.value, self._convert(value, method))
             slot.write(new, slot.mirrored and slot.update_mirrored)
         elif context.current().replica_context is not None:
             self._replica_write(slot, method, value)
@@ -401,9 +399,7 @@ class Variable:
         return self if read_value else None
 
     def _eager_write(self, method: str, value):
-        new = _owned(self._convert(value, method))
-        if method != "assign":
-            new = _combine(method, self._state, new)
+        new = _combine(method, self._state, _owned(self._convert(value, method)))
         if self._strategy is None:
             return jnp.asarray(new)
         return self._strategy.extended._replicate(new)
@@ -419,17 +415,13 @@ class Variable:
     def _replica_write(self, slot, method: str, value):
         frame = binding.current()
         self._check_writable(frame, method)
-        new = self._convert(value, method)
-        if method != "assign":
-            new = _combine(method, slot.value, new)
-        slot.write(new, frame.num_replicas == 1)
+        slot.write(_combine(method, slot.value, self._convert(value, method)),
+                   frame.num_replicas == 1)
 
     def _traced_cross_write(self, slot, method: str, value):
         self._check_writable(binding.current(), method)
-        new = self._convert(value, method)
-        if method != "assign":
-            new = _combine(method, slot.value, new)
-        slot.write(new, slot.mirrored or method == "assign")
+        slot.write(_combine(method, slot.value, self._convert(value, method)),
+                   slot.mirrored or method == "assign")
 
     # -- Python protocol ------------------------------------------------------------------------
     def __jax_array__(self):
@@ -482,8 +474,11 @@ def _owned(x):
     return x.copy() if isinstance(x, jax.Array) and not _compat.is_tracer(x) else x
 
 
-def _combine(method: str, old, delta):
-    return old + delta if method == "assign_add" else old - delta
+def _combine(method: str, old, value):
+    """The variable's new value after ``method`` (assign, assign_add, assign_sub) of ``value``."""
+    if method == "assign":
+        return value
+    return old + value if method == "assign_add" else old - value
 
 
 def _host_value(x):
