@@ -5,13 +5,17 @@
 and (on CPU) one append to the in-flight queue. All the Python work happens once per input
 signature, while ``jax.jit`` traces ``_trace``:
 
-1. trace the user's function once per replica under ``shard_map`` with every output stacked
-   along the replica axis;
-2. decide from the traced per-replica jaxpr which outputs are replicated (``replication.py``);
-3. re-emit that same jaxpr under the chosen ``out_specs``: replicated outputs come back as
-   plain arrays replicated over the mesh (Mirrored), the others as ``PerReplica``.
+1. trace the user's function once, on per-replica values (so one trace serves every placement
+   of the inputs), with the variables it uses bound to traced stand-ins (``binding.py``);
+2. decide from the traced jaxpr which outputs are replicated (``replication.py``);
+3. emit that same jaxpr under ``shard_map`` with the inputs' real ``in_specs`` and the chosen
+   ``out_specs``: replicated outputs come back as plain arrays replicated over the mesh
+   (Mirrored), the others as ``PerReplica``; the variables' new arrays come back too and are
+   stored once the call has returned.
 
-The user's function is never called a second time for the same signature.
+Variables reached by closure are found by the first trace and passed in from then on; variables
+passed as arguments are swapped for their arrays. The user's function is never traced a second
+time for the same per-replica signature.
 """
 
 from __future__ import annotations
