@@ -57,7 +57,6 @@ import collections  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import platform  # noqa: E402
-import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -72,6 +71,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxmirror  # noqa: E402
 from jaxmirror import _inflight  # noqa: E402  (the bound, and the queue for --breakdown)
 from jaxmirror.program import check_can_run  # noqa: E402  (timed by --breakdown)
+from _timing import dispatch, init_params, mlp  # noqa: E402  (shared with the other script)
+from _timing import one_call as _one_call, per_call as _per_call  # noqa: E402
+from _timing import shuffled_rounds as _shuffled_rounds, timed as _timed, us as _us  # noqa: E402
 
 MAX_IN_FLIGHT = _inflight.MAX_IN_FLIGHT
 NUM_BATCHES = 4  # distinct placed batches, cycled through
@@ -86,22 +88,6 @@ MODELS = {
 # ----------------------------------------------------------------------------------------------
 # The model, shared verbatim by both variants
 # ----------------------------------------------------------------------------------------------
-def init_params(key, sizes):
-    params = {}
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        key, k = jax.random.split(key)
-        params[f"w{i}"] = jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a)
-        params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
-    return params
-
-
-def mlp(params, x):
-    n = len(params) // 2
-    for i in range(n):
-        x = x @ params[f"w{i}"] + params[f"b{i}"]
-        if i < n - 1:
-            x = jax.nn.relu(x)
-    return x
 
 
 TX = optax.adam(1e-3)
@@ -243,27 +229,6 @@ class Case:
         return worst, exact
 
 
-def _timed(loop: Loop, k: int) -> float:
-    """Seconds per step for k steps, waiting for the last one at the end."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(k))
-    return (time.perf_counter() - t0) / k
-
-
-def _dispatch(case: Case, loop: Loop, k: int) -> float:
-    """Seconds per call to *return* from k calls started on an idle machine (no waiting).
-
-    k = MAX_IN_FLIGHT, so neither jaxmirror's bound nor the baseline's queue waits on a step
-    that is still running: what is timed is the host's work to launch a step.
-    """
-    case.sync()
-    t0 = time.perf_counter()
-    out = loop(k)
-    t = time.perf_counter() - t0
-    jax.block_until_ready(out)
-    return t / k
-
-
 def bench_case(case: Case, args, steps: int) -> dict:
     # Warm-up: compile, run a few steps each, then check that they computed the same thing.
     for loop in case.loops:
@@ -283,7 +248,7 @@ def bench_case(case: Case, args, steps: int) -> dict:
                 t[loop.name].append(_timed(loop, steps))
         for r in range(args.dispatch_rounds):
             for loop in case.loops[r % 3:] + case.loops[:r % 3]:
-                d[loop.name].append(_dispatch(case, loop, MAX_IN_FLIGHT))
+                d[loop.name].append(dispatch(case.sync, loop, MAX_IN_FLIGHT))
     finally:
         gc.enable()
     case.sync()
@@ -309,55 +274,6 @@ def bench_case(case: Case, args, steps: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 # --breakdown: where jaxmirror's per-call host time goes (Program.__call__'s pieces)
 # ----------------------------------------------------------------------------------------------
-def _shuffled_rounds(timers: dict, rounds: int) -> dict:
-    """Call each timer once per round, in a fresh random order each round, with GC off.
-
-    Args:
-        timers: name -> a zero-argument callable returning seconds.
-        rounds: how many rounds.
-
-    Returns:
-        name -> the list of seconds, one per round.
-    """
-    rng = random.Random(0)
-    times = {name: [] for name in timers}
-    order = list(timers)
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(rounds):
-            rng.shuffle(order)
-            for name in order:
-                times[name].append(timers[name]())
-    finally:
-        gc.enable()
-        _inflight.drain()
-    return times
-
-
-def _one_call(fn) -> float:
-    """Seconds to return from one call of ``fn`` on an idle machine; then waits and drains."""
-    t0 = time.perf_counter()
-    out = fn()
-    t = time.perf_counter() - t0
-    jax.block_until_ready(out)
-    _inflight.drain()
-    return t
-
-
-def _per_call(fn, number: int, repeat: int) -> float:
-    """Median over `repeat` of the seconds per call of `fn()` called `number` times."""
-    runs = []
-    gc.disable()  # as timeit does
-    try:
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            for _ in range(number):
-                fn()
-            runs.append((time.perf_counter() - t0) / number)
-    finally:
-        gc.enable()
-    return statistics.median(runs)
 
 
 def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
@@ -377,7 +293,7 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
     forms = {
         "baseline: jitted shard_map call": lambda: case.base_step(params, opt_state, bx, by),
         "jaxmirror: Program._jitted only (jit of _trace)":
-            lambda: prog._jitted(params, opt_state, x, y),
+            lambda: prog._jitted(None, (), params, opt_state, x, y),
         "jaxmirror: step(...), i.e. Program.__call__": lambda: prog(params, opt_state, x, y),
         "jaxmirror: strategy.run(fn, args=...)":
             lambda: strategy.run(prog.fn, args=(params, opt_state, x, y)),
@@ -447,7 +363,7 @@ def ablation(case: Case, rounds: int, steps: int) -> list[tuple[str, float, floa
     prog = case.jm_step
 
     def jitted_only(*a):
-        return prog._jitted(*a)[0]
+        return prog._jitted(None, (), *a)[0]
 
     loops = [case.base, case.jm,
              Loop(JITTED_ONLY, jitted_only, case.jm_batches, case.base.state, bound=case.bounded)]
@@ -464,12 +380,6 @@ def ablation(case: Case, rounds: int, steps: int) -> list[tuple[str, float, floa
 # ----------------------------------------------------------------------------------------------
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3f}"
-
-
-def _us(s: float | None) -> str:
-    if s is None:
-        return "n/a"
-    return f"{s * 1e6:+.1f}" if s < 0 else f"{s * 1e6:.1f}"
 
 
 def _tiny_case(cases: dict, n: int, warmup: int) -> Case:

@@ -61,13 +61,11 @@ import collections  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
 import platform  # noqa: E402
-import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
@@ -77,6 +75,10 @@ import jaxmirror  # noqa: E402
 from jaxmirror import _compat, _inflight  # noqa: E402  (the bound; --breakdown's pieces)
 from jaxmirror.program import _take_variables  # noqa: E402  (timed by --breakdown)
 from jaxmirror.program import check_can_run  # noqa: E402  (timed by --breakdown)
+from _timing import dispatch, init_params, mlp  # noqa: E402  (shared with the other script)
+from _timing import more_rounds  # noqa: E402
+from _timing import one_call as _one_call, per_call as _per_call  # noqa: E402
+from _timing import shuffled_rounds as _shuffled_rounds, timed as _timed, us as _us  # noqa: E402
 
 MAX_IN_FLIGHT = _inflight.MAX_IN_FLIGHT
 NUM_BATCHES = 4  # distinct placed batches, cycled through
@@ -95,22 +97,6 @@ PYTREE, CLOSURE, ARGS, BASE, BASE2 = "(a) pytree", "(b) vars closure", "(c) vars
 # ----------------------------------------------------------------------------------------------
 # The model and the four steps
 # ----------------------------------------------------------------------------------------------
-def init_params(key, sizes):
-    params = {}
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-        key, k = jax.random.split(key)
-        params[f"w{i}"] = jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a)
-        params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
-    return params
-
-
-def mlp(params, x):
-    n = len(params) // 2
-    for i in range(n):
-        x = x @ params[f"w{i}"] + params[f"b{i}"]
-        if i < n - 1:
-            x = jax.nn.relu(x)
-    return x
 
 
 def loss_fn(params, x, y):
@@ -316,84 +302,6 @@ class Case:
 # ----------------------------------------------------------------------------------------------
 # Timing helpers (as in step_overhead.py)
 # ----------------------------------------------------------------------------------------------
-def _timed(loop: Loop, k: int) -> float:
-    """Seconds per step for k steps, waiting for the last one at the end."""
-    t0 = time.perf_counter()
-    jax.block_until_ready(loop(k))
-    return (time.perf_counter() - t0) / k
-
-
-def _dispatch(case: Case, loop: Loop, k: int) -> float:
-    """Seconds per call to *return* from k calls started on an idle machine (no waiting).
-
-    k = MAX_IN_FLIGHT, so no in-flight bound waits on a step that is still running: what is
-    timed is the host's work to launch a step.
-    """
-    case.sync()
-    t0 = time.perf_counter()
-    out = loop(k)
-    t = time.perf_counter() - t0
-    jax.block_until_ready(out)
-    return t / k
-
-
-def _more_rounds(r: int, rounds: int, seconds: float, t0: float) -> bool:
-    """Whether to run round ``r``: at least ``rounds``, then more (up to 10x) for ``seconds``."""
-    return r < rounds or (r < 10 * rounds and time.perf_counter() - t0 < seconds)
-
-
-def _shuffled_rounds(timers: dict, rounds: int, seconds: float = 0.0) -> dict:
-    """Call each timer once per round, in a fresh random order each round, with GC off.
-
-    Args:
-        timers: name -> a zero-argument callable returning seconds.
-        rounds: how many rounds at least.
-        seconds: go on with more rounds (up to 10 x ``rounds``) until this much time has passed.
-
-    Returns:
-        name -> the list of seconds, one per round.
-    """
-    rng = random.Random(0)
-    times = {name: [] for name in timers}
-    order = list(timers)
-    gc.collect()
-    gc.disable()
-    t0, r = time.perf_counter(), 0
-    try:
-        while _more_rounds(r, rounds, seconds, t0):
-            r += 1
-            rng.shuffle(order)
-            for name in order:
-                times[name].append(timers[name]())
-    finally:
-        gc.enable()
-        _inflight.drain()
-    return times
-
-
-def _one_call(fn) -> float:
-    """Seconds to return from one call of ``fn`` on an idle machine; then waits and drains."""
-    t0 = time.perf_counter()
-    out = fn()
-    t = time.perf_counter() - t0
-    jax.block_until_ready(out)
-    _inflight.drain()
-    return t
-
-
-def _per_call(fn, number: int, repeat: int) -> float:
-    """Median over `repeat` of the seconds per call of `fn()` called `number` times."""
-    runs = []
-    gc.disable()  # as timeit does
-    try:
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            for _ in range(number):
-                fn()
-            runs.append((time.perf_counter() - t0) / number)
-    finally:
-        gc.enable()
-    return statistics.median(runs)
 
 
 def _median_ratio(num, den):
@@ -416,13 +324,13 @@ def bench_case(case: Case, args, steps: int) -> dict:
     t0, r = time.perf_counter(), 0
     try:
         # Rotated each round, so no variant always goes first; whole rotations only.
-        while r % 5 or _more_rounds(r, args.rounds, args.case_seconds, t0):
+        while r % 5 or more_rounds(r, args.rounds, args.case_seconds, t0):
             for loop in loops[r % 5:] + loops[:r % 5]:
                 t[loop.name].append(_timed(loop, steps))
             r += 1
         for j in range(args.dispatch_rounds):
             for loop in loops[j % 5:] + loops[:j % 5]:
-                d[loop.name].append(_dispatch(case, loop, MAX_IN_FLIGHT))
+                d[loop.name].append(dispatch(case.sync, loop, MAX_IN_FLIGHT))
     finally:
         gc.enable()
     diff_end, exact_end = case.check_agree("after timing")
@@ -580,10 +488,6 @@ def ablation(case: Case, rounds: int, steps: int,
 
 
 # ----------------------------------------------------------------------------------------------
-def _us(s: float | None) -> str:
-    if s is None:
-        return "n/a"
-    return f"{s * 1e6:+.1f}" if s < 0 else f"{s * 1e6:.1f}"
 
 
 def _ratio(r) -> str:

@@ -1,0 +1,121 @@
+"""What the benchmark scripts share: the MLP they time and the timing loops.
+
+Import it after the script has set ``XLA_FLAGS`` (it imports JAX).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmirror import _inflight
+
+
+def init_params(key, sizes):
+    params = {}
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+        key, k = jax.random.split(key)
+        params[f"w{i}"] = jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a)
+        params[f"b{i}"] = jnp.zeros((b,), jnp.float32)
+    return params
+
+
+def mlp(params, x):
+    n = len(params) // 2
+    for i in range(n):
+        x = x @ params[f"w{i}"] + params[f"b{i}"]
+        if i < n - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def timed(loop, k: int) -> float:
+    """Seconds per step for k steps of ``loop``, waiting for the last one at the end."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(loop(k))
+    return (time.perf_counter() - t0) / k
+
+
+def dispatch(sync, loop, k: int) -> float:
+    """Seconds per call to *return* from k calls started on an idle machine (no waiting).
+
+    ``sync()`` makes the machine idle first. With k = MAX_IN_FLIGHT no in-flight bound waits on
+    a step that is still running: what is timed is the host's work to launch a step.
+    """
+    sync()
+    t0 = time.perf_counter()
+    out = loop(k)
+    t = time.perf_counter() - t0
+    jax.block_until_ready(out)
+    return t / k
+
+
+def more_rounds(r: int, rounds: int, seconds: float, t0: float) -> bool:
+    """Whether to run round ``r``: at least ``rounds``, then more (up to 10x) for ``seconds``."""
+    return r < rounds or (r < 10 * rounds and time.perf_counter() - t0 < seconds)
+
+
+def shuffled_rounds(timers: dict, rounds: int, seconds: float = 0.0) -> dict:
+    """Call each timer once per round, in a fresh random order each round, with GC off.
+
+    Args:
+        timers: name -> a zero-argument callable returning seconds.
+        rounds: how many rounds at least.
+        seconds: go on with more rounds (up to 10 x ``rounds``) until this much time has passed.
+
+    Returns:
+        name -> the list of seconds, one per round.
+    """
+    rng = random.Random(0)
+    times = {name: [] for name in timers}
+    order = list(timers)
+    gc.collect()
+    gc.disable()
+    t0, r = time.perf_counter(), 0
+    try:
+        while more_rounds(r, rounds, seconds, t0):
+            r += 1
+            rng.shuffle(order)
+            for name in order:
+                times[name].append(timers[name]())
+    finally:
+        gc.enable()
+        _inflight.drain()
+    return times
+
+
+def one_call(fn) -> float:
+    """Seconds to return from one call of ``fn`` on an idle machine; then waits and drains."""
+    t0 = time.perf_counter()
+    out = fn()
+    t = time.perf_counter() - t0
+    jax.block_until_ready(out)
+    _inflight.drain()
+    return t
+
+
+def per_call(fn, number: int, repeat: int) -> float:
+    """Median over `repeat` of the seconds per call of `fn()` called `number` times."""
+    runs = []
+    gc.disable()  # as timeit does
+    try:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            runs.append((time.perf_counter() - t0) / number)
+    finally:
+        gc.enable()
+    return statistics.median(runs)
+
+
+def us(s: float | None) -> str:
+    if s is None:
+        return "n/a"
+    return f"{s * 1e6:+.1f}" if s < 0 else f"{s * 1e6:.1f}"
