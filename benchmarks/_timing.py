@@ -6,6 +6,7 @@ Import it after the script has set ``XLA_FLAGS`` (it imports JAX).
 from __future__ import annotations
 
 import gc
+import sys
 import random
 import statistics
 import time
@@ -119,3 +120,36 @@ def us(s: float | None) -> str:
     if s is None:
         return "n/a"
     return f"{s * 1e6:+.1f}" if s < 0 else f"{s * 1e6:.1f}"
+
+
+def steps_and_cases(ap, args, models_table: dict, flag: str):
+    """The options both scripts share, checked: steps per round, replica counts, model names.
+
+    Args:
+        ap: the script's ``argparse.ArgumentParser`` (for ``ap.error``).
+        args: its parsed arguments (``quick``, ``steps_tiny``, ``steps_small``, ``devices``,
+            ``models``).
+        models_table: name -> (global batch, layer sizes, default steps per round).
+        flag: the ``XLA_FLAGS`` setting the script made, for the error message.
+
+    Returns:
+        ``(steps, ns, models)``, or ``None`` (after a message on stderr) when JAX has fewer
+        devices than asked for.
+    """
+    steps = {m: s for m, (_, _, s) in models_table.items()}
+    if args.quick:
+        steps = {"tiny": 24, "small": 3}
+    if args.steps_tiny is not None:
+        steps["tiny"] = args.steps_tiny
+    if args.steps_small is not None:
+        steps["small"] = args.steps_small
+    ns = [int(s) for s in args.devices.split(",")]
+    models = [m.strip() for m in args.models.split(",")]
+    for m in models:
+        if m not in models_table:
+            ap.error(f"unknown model {m!r}; choose from {sorted(models_table)}")
+    if max(ns) > jax.device_count():
+        print(f"need {max(ns)} devices, JAX has {jax.device_count()}: XLA_FLAGS must be set before "
+              f"JAX starts (this script sets {flag}).", file=sys.stderr)
+        return None
+    return steps, ns, models

@@ -75,7 +75,7 @@ import jaxmirror  # noqa: E402
 from jaxmirror import _compat, _inflight  # noqa: E402  (the bound; --breakdown's pieces)
 from jaxmirror.program import _take_variables  # noqa: E402  (timed by --breakdown)
 from jaxmirror.program import check_can_run  # noqa: E402  (timed by --breakdown)
-from _timing import dispatch, init_params, mlp  # noqa: E402  (shared with the other script)
+from _timing import dispatch, init_params, mlp, steps_and_cases  # noqa: E402  (shared)
 from _timing import more_rounds  # noqa: E402
 from _timing import one_call as _one_call, per_call as _per_call  # noqa: E402
 from _timing import shuffled_rounds as _shuffled_rounds, timed as _timed, us as _us  # noqa: E402
@@ -535,24 +535,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a fast sanity run (numbers are noisy)")
     args = ap.parse_args(argv)
 
-    steps = {m: s for m, (_, _, s) in MODELS.items()}
     if args.quick:
         args.rounds, args.dispatch_rounds, args.warmup, args.breakdown_samples = 5, 5, 2, 30
         args.case_seconds = 0.0
-        steps = {"tiny": 24, "small": 3}
-    if args.steps_tiny is not None:
-        steps["tiny"] = args.steps_tiny
-    if args.steps_small is not None:
-        steps["small"] = args.steps_small
-    ns = [int(s) for s in args.devices.split(",")]
-    models = [m.strip() for m in args.models.split(",")]
-    for m in models:
-        if m not in MODELS:
-            ap.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
-    if max(ns) > jax.device_count():
-        print(f"need {max(ns)} devices, JAX has {jax.device_count()}: XLA_FLAGS must be set before "
-              f"JAX starts (this script sets {_FLAG}).", file=sys.stderr)
+    checked = steps_and_cases(ap, args, MODELS, _FLAG)
+    if checked is None:
         return 2
+    steps, ns, models = checked
 
     t_start = time.perf_counter()
     print(f"# jaxmirror variables vs pytree step: {jax.device_count()} simulated "
