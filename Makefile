@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m jaxmirror.demo
+	$(PY) examples/demo.py
 
 test: install
 	$(PY) -m pytest -q tests

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmirror import _inflight
+from jaxmirror.core import inflight as _inflight
 
 
 def init_params(key, sizes):

@@ -35,7 +35,7 @@ On N simulated CPU devices (N = 1, 2, 8 by default) and for global batches of ab
 With ``--ablation`` (on by default) the throughput rounds also time, for information, the
 dataset's own per-epoch generator run in the timing thread (``_batches`` of the dataset: its
 checks, the split and one ``device_put`` of the leaves; no prefetch thread) and the
-baseline's ``device_put`` calls made on jaxmirror's prefetch thread (``jaxmirror.prefetch.
+baseline's ``device_put`` calls made on jaxmirror's prefetch thread (``jaxmirror.data.prefetch.
 Prefetcher``, same depth): the first shows what the dataset's per-batch work costs, the second
 what the thread alone costs. Every throughput variant also reports the process's minor page
 faults per batch (``getrusage``).
@@ -86,7 +86,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
-from jaxmirror.prefetch import Prefetcher  # noqa: E402  (the ablation's thread-only loop)
+from jaxmirror.data.prefetch import Prefetcher  # noqa: E402  (the ablation's thread-only loop)
 from _timing import init_params, mlp  # noqa: E402  (shared)
 from _timing import shuffled_rounds as _shuffled_rounds  # noqa: E402
 
@@ -497,7 +497,7 @@ def main(argv=None) -> int:
               "per batch (the whole process, median). 'generator' is the dataset's own per-epoch "
               "generator (the dataset's `_batches`: checks, split, one device_put of the "
               "leaves) run in the timing thread; 'Prefetcher' is the baseline's device_puts "
-              "made on jaxmirror's prefetch thread (`jaxmirror.prefetch.Prefetcher`, the same "
+              "made on jaxmirror's prefetch thread (`jaxmirror.data.prefetch.Prefetcher`, the same "
               "depth).")
         print()
         print("| batch | G | N | baseline | jaxmirror | generator, no thread "

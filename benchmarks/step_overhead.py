@@ -17,7 +17,7 @@ again after timing, the script asserts that their params agree (and says whether
 that jaxmirror traced the step once and compiled one program for it.
 
 Fairness: with N >= 2 CPU devices jaxmirror bounds the steps in flight
-(``jaxmirror._inflight.MAX_IN_FLIGHT``, 8): once 8 steps are queued each call waits for the
+(``jaxmirror.core.inflight.MAX_IN_FLIGHT``, 8): once 8 steps are queued each call waits for the
 oldest, because an unbounded CPU loop can deadlock XLA's collectives. There the baseline loop
 keeps the same queue by hand (it remembers the loss of each step and waits on the oldest past 8).
 With one device neither bounds anything.
@@ -69,8 +69,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
-from jaxmirror import _inflight  # noqa: E402  (the bound, and the queue for --breakdown)
-from jaxmirror.program import check_can_run  # noqa: E402  (timed by --breakdown)
+from jaxmirror.core import inflight as _inflight  # noqa: E402  (the bound, and the queue for --breakdown)
+from jaxmirror.step.program import check_can_run  # noqa: E402  (timed by --breakdown)
 from _timing import dispatch, init_params, mlp, steps_and_cases  # noqa: E402  (shared)
 from _timing import one_call as _one_call, per_call as _per_call  # noqa: E402
 from _timing import shuffled_rounds as _shuffled_rounds, timed as _timed, us as _us  # noqa: E402

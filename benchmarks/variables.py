@@ -72,9 +72,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
-from jaxmirror import _compat, _inflight  # noqa: E402  (the bound; --breakdown's pieces)
-from jaxmirror.program import _take_variables  # noqa: E402  (timed by --breakdown)
-from jaxmirror.program import check_can_run  # noqa: E402  (timed by --breakdown)
+from jaxmirror.core import _compat, inflight as _inflight  # noqa: E402  (the bound; --breakdown's pieces)
+from jaxmirror.step.program import _take_variables  # noqa: E402  (timed by --breakdown)
+from jaxmirror.step.program import check_can_run  # noqa: E402  (timed by --breakdown)
 from _timing import dispatch, init_params, mlp, steps_and_cases  # noqa: E402  (shared)
 from _timing import more_rounds  # noqa: E402
 from _timing import one_call as _one_call, per_call as _per_call  # noqa: E402

@@ -1,5 +1,9 @@
 """jaxmirror: TensorFlow's ``tf.distribute`` programming model on JAX.
 
+The public API, named as in ``tf.distribute``; everything is re-exported from the layers
+(``core`` <- ``variables`` <- ``step`` <- ``data`` <- ``collectives`` <- ``strategies``, see
+ARCHITECTURE.md).
+
 Example:
     >>> import jax.numpy as jnp, jaxmirror
     >>> strategy = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
@@ -11,7 +15,13 @@ Example:
 """
 
 from jaxmirror import checkpoint, experimental
-from jaxmirror.context import (
+from jaxmirror.collectives.cross_device_ops import (
+    CrossDeviceOps,
+    HierarchicalCopyAllReduce,
+    NcclAllReduce,
+    ReductionToOneDevice,
+)
+from jaxmirror.core.context import (
     experimental_set_strategy,
     get_cross_replica_context,
     get_replica_context,
@@ -19,23 +29,24 @@ from jaxmirror.context import (
     has_strategy,
     in_cross_replica_context,
 )
-from jaxmirror.cross_device_ops import (
-    CrossDeviceOps,
-    HierarchicalCopyAllReduce,
-    NcclAllReduce,
-    ReductionToOneDevice,
-)
-from jaxmirror.input import DistributedDataset, DistributedIterator
-from jaxmirror.input_options import InputContext, InputOptions, InputReplicationMode
-from jaxmirror.losses import compute_average_loss
-from jaxmirror.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
-from jaxmirror.replica_context import ReplicaContext
+from jaxmirror.core.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
+from jaxmirror.core.values import DistributedValues, Mirrored, PerReplica
+from jaxmirror.data.datasets import DistributedDataset
+from jaxmirror.data.iterators import DistributedIterator
+from jaxmirror.data.options import InputContext, InputOptions, InputReplicationMode
+from jaxmirror.step.losses import compute_average_loss
+from jaxmirror.step.replica_context import ReplicaContext
+from jaxmirror.step.run_options import RunOptions
+from jaxmirror.strategies import default as _default  # registers the default strategy
+from jaxmirror.strategies.extended import StrategyExtended
 from jaxmirror.strategies.mirrored import MirroredStrategy
 from jaxmirror.strategies.one_device import OneDeviceStrategy
-from jaxmirror.strategy import RunOptions, Strategy, StrategyExtended
-from jaxmirror.values import DistributedValues, Mirrored, PerReplica
-from jaxmirror.distributed_variables import MirroredVariable, SyncOnReadVariable
-from jaxmirror.variables import Variable, assign_values, read_values
+from jaxmirror.strategies.strategy import Strategy
+from jaxmirror.variables.distributed import MirroredVariable, SyncOnReadVariable
+from jaxmirror.variables.trees import assign_values, read_values
+from jaxmirror.variables.variable import Variable
+
+del _default
 
 __version__ = "0.1.0"
 

@@ -9,10 +9,7 @@ import pytest
 
 import jaxmirror
 
-MODULES = sorted(
-    m.name for m in pkgutil.walk_packages(jaxmirror.__path__, "jaxmirror.")
-    if m.name != "jaxmirror.demo"
-)
+MODULES = sorted(m.name for m in pkgutil.walk_packages(jaxmirror.__path__, "jaxmirror."))
 
 
 @pytest.mark.parametrize("name", ["jaxmirror"] + MODULES)

@@ -19,9 +19,9 @@ import pytest
 
 import jaxmirror
 from conftest import ctx, local, strategy
-from jaxmirror import batching
+from jaxmirror.data import batching
 from jaxmirror.experimental import AutoShardPolicy
-from jaxmirror.input_options import InputContext, InputOptions, InputReplicationMode
+from jaxmirror.data.options import InputContext, InputOptions, InputReplicationMode
 
 cal = jaxmirror.compute_average_loss
 
@@ -1114,7 +1114,7 @@ def test_every_policy_is_accepted_with_one_worker_and_splits_the_same(policy):
 
 
 def test_file_policy_is_refused_with_several_workers(monkeypatch):
-    import jaxmirror.datasets as input_module
+    import jaxmirror.data.datasets as input_module
 
     two_workers = batching.Topology(4, 2, 0, range(0, 2))
     monkeypatch.setattr(input_module, "_topology", lambda strategy: two_workers)
@@ -1219,7 +1219,7 @@ def test_one_replica_datasets_from_function(which):
 
 def test_a_first_leaf_with_0_rows_is_named_not_accepted():
     """The fast check once took a 0-row first leaf as 'no size yet' and let a mismatch through."""
-    from jaxmirror import batching
+    from jaxmirror.data import batching
 
     with pytest.raises(ValueError, match="disagree on the batch size"):
         batching.check_element((np.zeros((0, 2)), np.ones((4, 2))), 0, "api")

@@ -9,7 +9,7 @@ import pytest
 
 import jaxmirror as jm
 from conftest import mirrored
-from jaxmirror import _inflight
+from jaxmirror.core import inflight as _inflight
 
 NS = [2, 4, 8]
 
@@ -45,7 +45,7 @@ def test_decorator_on_function_with_positional_parameter_returns_step():
     def step(params, batch):
         return params + jm.get_replica_context().all_reduce("sum", batch)
 
-    assert callable(step) and isinstance(step, jm.strategy.Program)
+    assert callable(step) and isinstance(step, jm.step.program.Program)
     b = per_replica(s, lambda i: np.float32(i + 1))
     assert float(step(jnp.float32(10), b)) == 13.0
 
@@ -389,6 +389,6 @@ def test_in_flight_handle_is_the_smallest_output_found_without_flattening():
 
 
 def test_one_device_is_not_bounded():
-    assert not jm.OneDeviceStrategy("CPU:0").extended._bound_in_flight
-    assert not mirrored(1).extended._bound_in_flight
-    assert mirrored(2).extended._bound_in_flight
+    assert not jm.OneDeviceStrategy("CPU:0").extended.placement.bound_in_flight
+    assert not mirrored(1).extended.placement.bound_in_flight
+    assert mirrored(2).extended.placement.bound_in_flight

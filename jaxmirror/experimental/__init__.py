@@ -6,8 +6,8 @@ Example:
     2
 """
 
-from jaxmirror.input import ValueContext
-from jaxmirror.input_options import AutoShardPolicy
-from jaxmirror.setup_devices import simulate_cpu_devices
+from jaxmirror.core.devices import simulate_cpu_devices
+from jaxmirror.data.distribute_values import ValueContext
+from jaxmirror.data.options import AutoShardPolicy
 
 __all__ = ["AutoShardPolicy", "ValueContext", "simulate_cpu_devices"]

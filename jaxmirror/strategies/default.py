@@ -1,4 +1,8 @@
-"""The default strategy: what is current when no strategy is (``tf.distribute.get_strategy()``)."""
+"""The default strategy: what is current when no strategy is (``tf.distribute.get_strategy()``).
+
+Importing this module registers it with ``core.context`` (which cannot import it: it is the
+bottom layer).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,11 @@ import contextlib
 
 import jax
 
-from jaxmirror import context
-from jaxmirror.program import check_can_run, wants_arguments
-from jaxmirror.replica_context import ReplicaContext
-from jaxmirror.strategy import Strategy, StrategyExtended
+from jaxmirror.core import context
+from jaxmirror.step.program import check_can_run, wants_arguments
+from jaxmirror.step.replica_context import ReplicaContext
+from jaxmirror.strategies.extended import StrategyExtended
+from jaxmirror.strategies.strategy import Strategy
 
 
 class _DirectCall:
@@ -30,12 +35,6 @@ class _DirectCall:
         return self._fn(*args, **kwargs)
 
 
-class _DefaultExtended(StrategyExtended):
-    def _replica_context(self) -> ReplicaContext:
-        # The default replica context: replica 0 of 1, collectives return their input.
-        return ReplicaContext(self._container_strategy_ref, replica_id_in_sync_group=0)
-
-
 class DefaultStrategy(Strategy):
     """One replica on JAX's default device; ``run`` calls the function directly.
 
@@ -47,7 +46,7 @@ class DefaultStrategy(Strategy):
     """
 
     def __init__(self):
-        super().__init__(_DefaultExtended(self, [jax.devices()[0]]))
+        super().__init__(StrategyExtended(self, [jax.devices()[0]]))
 
     def _make_program(self, fn, options):
         return _DirectCall(self, fn)
@@ -57,3 +56,12 @@ class DefaultStrategy(Strategy):
         if context.has_strategy():
             raise RuntimeError("Must not nest jaxmirror Strategy scopes.")
         yield self
+
+
+def _make_default() -> tuple:
+    strategy = DefaultStrategy()
+    # The default replica context: replica 0 of 1, whose collectives return their input.
+    return strategy, ReplicaContext(strategy, replica_id_in_sync_group=0)
+
+
+context.register_default(_make_default)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from jaxmirror import devices as devices_lib
-from jaxmirror.cross_device_ops import CrossDeviceOps
-from jaxmirror.strategy import Strategy, StrategyExtended
+from jaxmirror.core import devices as devices_lib
+from jaxmirror.collectives.cross_device_ops import CrossDeviceOps
+from jaxmirror.strategies.extended import StrategyExtended
+from jaxmirror.strategies.strategy import Strategy
 
 
 class MirroredStrategy(Strategy):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from jaxmirror import devices as devices_lib
-from jaxmirror.strategy import Strategy, StrategyExtended
+from jaxmirror.core import devices as devices_lib
+from jaxmirror.strategies.extended import StrategyExtended
+from jaxmirror.strategies.strategy import Strategy
 
 
 class OneDeviceStrategy(Strategy):
@@ -27,6 +28,5 @@ class OneDeviceStrategy(Strategy):
 
     def __init__(self, device):
         dev = devices_lib.resolve(device, "device")
-        extended = StrategyExtended(self, [dev])
-        extended._distributed_variables = False  # TF: plain variables on the device
-        super().__init__(extended)
+        # TF: variables in its scope are plain variables on the device.
+        super().__init__(StrategyExtended(self, [dev], distributed_variables=False))

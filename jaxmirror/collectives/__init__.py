@@ -1,0 +1,1 @@
+"""Cross-device operations: TF's ``CrossDeviceOps`` family."""

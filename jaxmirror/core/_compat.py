@@ -1,0 +1,97 @@
+"""Every JAX-version-specific call jaxmirror makes, in one place (pinned to jax>=0.10.2,<0.11).
+
+The only module of jaxmirror that touches JAX's private modules (``jax._src``); each such use
+says which public spelling is missing.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax._src import core as _core  # trace_state_clean has no public spelling in 0.10
+from jax._src import xla_bridge as _xla_bridge  # nor whether the backend has started
+from jax._src.interpreters import partial_eval as _pe  # nor the jaxpr-recording trace
+from jax._src.lax import parallel as _parallel  # nor these collectives' primitives
+from jax.extend import core as jex_core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+Literal = jex_core.Literal
+Primitive = jex_core.Primitive
+jaxpr_as_fun = jex_core.jaxpr_as_fun
+jaxprs_in_params = jex_core.jaxprs_in_params
+
+P = PartitionSpec
+
+# Collective primitives that jax.lax does not export (the rest are ``jax.lax.<name>_p``).
+psum_invariant_p = _parallel.psum_invariant_p
+pbroadcast_p = _parallel.pbroadcast_p
+reduce_scatter_p = _parallel.reduce_scatter_p  # what lax.psum_scatter binds
+pvary_p = _core.pvary_p
+
+
+def make_mesh(devices, axis_name: str) -> Mesh:
+    """A 1-D mesh with *Auto* axis types (``jax.make_mesh`` defaults to Explicit now)."""
+    return Mesh(np.array(list(devices), dtype=object), (axis_name,))
+
+
+def shard_map(fn, mesh, in_specs, out_specs):
+    """``jax.shard_map`` with pmap-style gradients (``check_vma=False``).
+
+    With ``check_vma=True`` the gradient with respect to a replicated input is already summed
+    over the replicas, so TF's "all-reduce the gradients" would multiply them by N; with
+    ``check_vma=False`` gradients are per replica and the gradient of an all-reduce is the
+    all-reduce of the upstream gradient, as in TF.
+    """
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def abstract_key(x):
+    """Shape, dtype and weak type of an input, without its placement (a hashable key)."""
+    aval = jax.typeof(x)
+    return (aval.shape, aval.dtype, getattr(aval, "weak_type", False))
+
+
+def local_abstract_key(x, stacked: bool):
+    """``abstract_key`` of what one replica sees of ``x`` (a stacked array loses its first axis)."""
+    shape, dtype, weak = abstract_key(x)
+    return (shape[1:] if stacked else shape), dtype, weak
+
+
+def current_trace():
+    """The JAX trace operations are bound to right now (the eval trace outside transformations)."""
+    return _core.trace_ctx.trace
+
+
+def is_staging(trace) -> bool:
+    """Whether ``trace`` records a jaxpr (jit, scan/cond/while bodies, shard_map, remat)."""
+    return isinstance(trace, _pe.DynamicJaxprTrace)
+
+
+# False while a JAX transformation (jit, grad, scan, ...) is tracing. The bound method itself:
+# it is on the hot path of steps that use variables.
+trace_state_clean = _core.trace_ctx.is_top_level
+
+
+def set_cpu_device_count(n: int) -> None:
+    """Ask XLA for ``n`` host-platform devices; only possible before the backend starts."""
+    jax.config.update("jax_num_cpu_devices", n)
+
+
+def backend_started() -> bool:
+    """Whether JAX's backend (and so its device count) is already fixed in this process."""
+    return bool(_xla_bridge._backends)
+
+
+__all__ = [
+    "ClosedJaxpr", "Jaxpr", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec", "Primitive",
+    "abstract_key", "backend_started", "current_trace", "is_staging", "is_tracer",
+    "jaxpr_as_fun", "jaxprs_in_params", "local_abstract_key", "make_mesh", "pbroadcast_p",
+    "psum_invariant_p", "pvary_p", "reduce_scatter_p", "set_cpu_device_count", "shard_map",
+    "trace_state_clean",
+]

@@ -1,0 +1,119 @@
+"""Devices: TF device names ("GPU:0"-style strings, full TF names) and simulated CPU devices."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+
+from jaxmirror.core import _compat
+
+_PLATFORM_TO_TF = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU", "tpu": "TPU"}
+_TF_TO_PLATFORM = {"CPU": "cpu", "GPU": "gpu", "TPU": "tpu"}
+_DEVICE_RE = re.compile(
+    r"^(?:/job:[^/]+)?(?:/replica:\d+)?(?:/task:(?P<task>\d+))?(?:/device:|/)?"
+    r"(?P<kind>cpu|gpu|tpu)(?::(?P<index>\d+))?$",
+    re.IGNORECASE,
+)
+_EXPECTED = ("a jax.Device or a TF device string such as 'GPU:0', '/gpu:1', '/device:CPU:0' or "
+             "'/job:localhost/replica:0/task:0/device:CPU:0'")
+
+
+def _platform_devices(kind: str, task: int) -> list:
+    try:
+        devs = jax.devices(_TF_TO_PLATFORM[kind])
+    except RuntimeError:
+        return []
+    return [d for d in devs if d.process_index == task]
+
+
+def tf_kind(device) -> str:
+    return _PLATFORM_TO_TF.get(device.platform, device.platform.upper())
+
+
+def tf_name(device) -> str:
+    """The full TF name of a JAX device, e.g. ``/job:localhost/replica:0/task:0/device:GPU:1``.
+
+    The index counts the devices of the same kind in the device's own process, as TF does
+    (JAX's ids, e.g. 2048 for another process's CPU, are never shown).
+    """
+    kind = tf_kind(device)
+    index = _platform_devices(kind, device.process_index).index(device)
+    return f"/job:localhost/replica:0/task:{device.process_index}/device:{kind}:{index}"
+
+
+def resolve(spec, arg_name: str):
+    """The ``jax.Device`` that ``spec`` names; ValueError naming ``arg_name`` otherwise."""
+    if isinstance(spec, jax.Device):
+        return spec
+    match = _DEVICE_RE.match(spec.strip()) if isinstance(spec, str) else None
+    if match is None:
+        raise ValueError(f"`{arg_name}`: {spec!r} is not a device; expected {_EXPECTED}.")
+    kind = match["kind"].upper()
+    task = int(match["task"]) if match["task"] is not None else jax.process_index()
+    index = int(match["index"] or 0)
+    candidates = _platform_devices(kind, task)
+    if index >= len(candidates):
+        have = ", ".join(f"{kind}:{i}" for i in range(len(candidates))) or f"no {kind} devices"
+        raise ValueError(f"`{arg_name}`: {spec!r} names no device of task {task}; it has {have}.")
+    return candidates[index]
+
+
+def resolve_all(specs, arg_name: str) -> list:
+    """Resolve a sequence of device specs; duplicates and an empty sequence raise ValueError."""
+    if isinstance(specs, (str, jax.Device)):
+        specs = [specs]
+    specs = list(specs)
+    if not specs:
+        raise ValueError(f"`{arg_name}` must name at least one device; got {specs!r}.")
+    devices = [resolve(s, arg_name) for s in specs]
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"No duplicates allowed in `{arg_name}` argument: {specs!r}.")
+    return devices
+
+
+def default_local_devices() -> list:
+    """All local GPUs if there are any, else all local devices of the default backend (CPUs)."""
+    try:
+        gpus = jax.local_devices(backend="gpu")
+    except RuntimeError:
+        gpus = []
+    return gpus or jax.local_devices()
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Give JAX ``n`` CPU devices, so ``MirroredStrategy()`` has ``n`` replicas without a GPU.
+
+    Call it first thing, before any JAX computation: XLA fixes the device count when its backend
+    starts. On a machine with GPUs it is harmless (``MirroredStrategy()`` still takes the GPUs).
+
+    Args:
+        n: how many CPU devices to simulate (>= 1).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: when ``n`` is not a positive int.
+        RuntimeError: when JAX's backend has already started (restart the kernel and call this
+            before anything else touches JAX).
+
+    Example:
+        >>> import jaxmirror
+        >>> try:
+        ...     jaxmirror.experimental.simulate_cpu_devices(8)
+        ... except RuntimeError:
+        ...     pass  # too late in this process: JAX is already running
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"simulate_cpu_devices: `n` must be a positive int; got {n!r}.")
+    if _compat.backend_started():
+        have = jax.device_count("cpu") if jax.default_backend() == "cpu" else len(jax.devices("cpu"))
+        if have == n:
+            return
+        raise RuntimeError(
+            f"simulate_cpu_devices({n}): JAX has already started with {have} CPU device(s), and "
+            f"the count is fixed once it starts. Restart the kernel (or process) and call "
+            f"jaxmirror.experimental.simulate_cpu_devices({n}) before any other JAX work."
+        )
+    _compat.set_cpu_device_count(n)

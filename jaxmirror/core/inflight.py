@@ -1,0 +1,77 @@
+"""A bound on steps queued on CPU devices without waiting.
+
+XLA's CPU collectives abort (rendezvous termination, SIGABRT) when ~32 or more collective steps
+are queued and nobody waits. TF users never had to sync in their loops, so neither do ours: on
+CPU, once ``MAX_IN_FLIGHT`` steps are queued, ``run`` waits for the oldest before returning
+(and so do ``reduce`` and ``gather``, which run collectives too). GPU runtimes queue safely and
+are left alone; one device has no collectives to deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+from jax.core import Tracer
+
+MAX_IN_FLIGHT = 8
+_queue: collections.deque = collections.deque()
+
+
+def needs_bound(devices) -> bool:
+    """Whether steps on ``devices`` must be bounded: several devices, some of them CPUs.
+
+    Args:
+        devices: a strategy's devices.
+
+    Returns:
+        A bool.
+
+    Example:
+        >>> import jax
+        >>> needs_bound(jax.devices("cpu")[:2]), needs_bound(jax.devices("cpu")[:1])
+        (True, False)
+    """
+    return len(devices) > 1 and any(d.platform == "cpu" for d in devices)
+
+
+def track_array(x) -> None:
+    """Remember one output array of a step just dispatched; wait on the oldest past the bound.
+
+    One array per step is enough: an XLA CPU execution makes all its outputs ready at once.
+
+    Args:
+        x: an output array of the step, or ``None`` (nothing dispatched).
+    """
+    if x is None or isinstance(x, Tracer):
+        return  # no array, or a step traced inside the user's own jit/scan: nothing dispatched
+    _queue.append(x)
+    if len(_queue) > MAX_IN_FLIGHT:
+        oldest = _queue.popleft()
+        if not oldest.is_deleted():  # donated into a later step, which ran after it
+            oldest.block_until_ready()
+
+
+def tracked(placement, outputs):
+    """``outputs``, counted against the bound when ``placement`` needs one (its last array leaf).
+
+    Args:
+        placement: the strategy's ``Placement``.
+        outputs: what a cross-replica computation returned (host values are ignored).
+
+    Returns:
+        ``outputs``.
+    """
+    if placement.bound_in_flight:
+        leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+        if leaves:
+            track_array(leaves[-1])
+    return outputs
+
+
+def drain() -> None:
+    """Wait for every tracked step (tests and benchmarks start from an empty queue)."""
+    while _queue:
+        oldest = _queue.popleft()
+        if not oldest.is_deleted():
+            oldest.block_until_ready()

@@ -1,0 +1,113 @@
+"""``Placement``: a strategy's devices, mesh and shardings, and how it puts values on them.
+
+Every layer that places arrays for a strategy (variables, the compiled step, the input
+pipeline, reduce and gather) asks the strategy's placement, ``strategy.extended.placement``:
+one object, made once per strategy, with no behaviour of its own beyond ``jax.device_put``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmirror.core import _compat, inflight
+from jaxmirror.core._compat import NamedSharding, P
+from jaxmirror.core.values import PerReplica
+
+AXIS_NAME = "replica"
+
+
+class Placement:
+    """Where a strategy's values live, and how they are put there.
+
+    Attributes are plain values fixed at construction: ``devices`` (one per replica, in replica
+    order), ``parameter_devices``, ``distributed_variables``, ``axis_name``, ``mesh`` (1-D),
+    ``device_set``, ``num_replicas``, ``num_local_replicas`` (this process's),
+    ``replicated_sharding`` (Mirrored values), ``replica_sharding`` (stacked PerReplica values)
+    and ``bound_in_flight`` (whether steps queued on these devices must be bounded).
+
+    Args:
+        devices: the JAX devices that run one replica each, in replica order.
+        parameter_devices: where variables live; by default on every compute device.
+        distributed_variables: whether ``Variable(...)`` in the strategy's scope makes
+            Mirrored/SyncOnRead variables (True) or plain variables on the one device (False,
+            as TF's OneDeviceStrategy does).
+
+    Example:
+        >>> import jax
+        >>> placement = Placement(jax.devices()[:2])
+        >>> placement.num_replicas, dict(placement.mesh.shape)
+        (2, {'replica': 2})
+        >>> placement.stack_copies(1.0).stacked.tolist()
+        [1.0, 1.0]
+    """
+
+    __slots__ = ("devices", "parameter_devices", "distributed_variables", "axis_name", "mesh",
+                 "device_set", "num_replicas", "num_local_replicas", "replicated_sharding",
+                 "replica_sharding", "bound_in_flight")
+
+    def __init__(self, devices, parameter_devices=None, distributed_variables: bool = True):
+        self.devices = tuple(devices)
+        self.parameter_devices = tuple(parameter_devices or devices)
+        self.distributed_variables = distributed_variables
+        self.axis_name = AXIS_NAME
+        self.mesh = _compat.make_mesh(self.devices, AXIS_NAME)
+        self.device_set = frozenset(self.devices)
+        self.num_replicas = len(self.devices)
+        me = jax.process_index()
+        self.num_local_replicas = sum(d.process_index == me for d in self.devices)
+        self.replicated_sharding = NamedSharding(self.mesh, P())
+        self.replica_sharding = NamedSharding(self.mesh, P(AXIS_NAME))
+        self.bound_in_flight = inflight.needs_bound(self.devices)
+
+    def replicate(self, value):
+        """``value`` on every replica's device (one device: on it).
+
+        Args:
+            value: an array or a nest of arrays.
+
+        Returns:
+            The same, as ``jax.Array``s replicated over the mesh.
+        """
+        if self.num_replicas == 1:
+            return jax.device_put(value, self.devices[0])
+        return jax.device_put(value, self.replicated_sharding)
+
+    def place_stacked(self, stacked):
+        """A replica-stacked array (components along axis 0) placed one component per replica.
+
+        Args:
+            stacked: an array of shape ``(num_replicas, ...)``.
+
+        Returns:
+            The array, sharded along axis 0 over the replicas.
+        """
+        return jax.device_put(stacked, self.replica_sharding)
+
+    def stack_copies(self, value) -> PerReplica:
+        """``num_replicas`` copies of ``value``, one per replica.
+
+        Args:
+            value: an array.
+
+        Returns:
+            A ``PerReplica`` whose every component is ``value``.
+        """
+        value = jnp.asarray(value)
+        stacked = jnp.broadcast_to(value, (self.num_replicas,) + value.shape)
+        return PerReplica(self.place_stacked(stacked))
+
+    def stack_components(self, components: list) -> PerReplica:
+        """Host components, one per replica, as a ``PerReplica`` placed replica by replica.
+
+        Args:
+            components: one array per replica, all of one shape and dtype.
+
+        Returns:
+            A ``PerReplica``.
+        """
+        return PerReplica(self.place_stacked(np.stack(components)))
+
+    def __repr__(self) -> str:
+        return f"Placement({self.num_replicas} replica(s) on {[str(d) for d in self.devices]})"

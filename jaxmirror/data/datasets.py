@@ -1,0 +1,260 @@
+"""Distributed datasets: host batches split over the replicas, padded, placed and prefetched.
+
+One global batch flows: source (``sources.py``) -> checked NumPy leaves -> this worker's rows,
+split by TF's rule and padded to a static size (``batching.py``) -> one ``jax.device_put`` of
+every leaf plus the row counts (``placer.Placer``) -> a nest of ``PerReplica`` values. A background
+thread (``prefetch.py``) runs that ahead of the training loop, so the copy to the devices
+overlaps the previous step. The first batch of an epoch is read when the iterator is made, so
+a bad dataset fails there and ``element_spec`` is known.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import jax
+
+from jaxmirror.data import batching, sources
+from jaxmirror.data.iterators import DistributedIterator
+from jaxmirror.data.options import AutoShardPolicy, InputOptions, InputReplicationMode
+from jaxmirror.data.placer import Placer
+from jaxmirror.data.prefetch import Inline, Prefetcher
+
+_END = object()
+
+
+def _topology(strategy) -> batching.Topology:
+    ext = strategy.extended
+    me = jax.process_index()
+    local = [i for i, d in enumerate(ext.devices) if d.process_index == me]
+    if local != list(range(local[0], local[-1] + 1)):
+        raise ValueError(f"distributing a dataset needs each worker's replicas to be contiguous "
+                         f"in replica order; this worker has replicas {local}.")
+    return batching.Topology(ext.placement.num_replicas, jax.process_count(), me,
+                             range(local[0], local[-1] + 1))
+
+
+def _check_options(options, what: str) -> InputOptions:
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise ValueError(f"{what}: `options` must be a jaxmirror.InputOptions or None; got "
+                         f"{type(options).__name__}.")
+    return options
+
+
+class DistributedDataset:
+    """A dataset split over the replicas (``tf.distribute.DistributedDataset``).
+
+    What ``strategy.experimental_distribute_dataset`` and ``distribute_datasets_from_function``
+    return (this class documents the first; see ``DistributedDatasetsFromFunction``).
+    Iterating it gives, per global batch, the same nest with each array replaced by a
+    ``PerReplica`` value: TF's split (the first ``G mod N`` replicas get one row more), each
+    replica's rows on its device, prefetched on a background thread (on GPUs; on CPUs in
+    ``next``: see ``InputOptions.prefetch_thread``). Every component is padded to one static
+    size (the first batch's ``ceil(G/N)``), so uneven and partial batches reuse the step's
+    compiled program; the values carry their real row counts, which
+    ``experimental_local_results``, ``reduce``, ``gather`` and ``compute_average_loss`` honour.
+    With one replica batches are plain arrays.
+
+    Made by the strategy's methods, not directly: ``experimental_distribute_dataset(dataset,
+    options)`` takes a re-iterable of global host batches (nests of arrays batched along axis
+    0), a zero-argument function returning an iterable, a one-shot iterator, or a grain,
+    ``tf.data`` or ``torch`` dataset/loader.
+
+    Args:
+        strategy: the strategy to distribute over.
+        options: an ``InputOptions`` or ``None``.
+
+    Raises:
+        ValueError: for bad options.
+
+    Example:
+        >>> import numpy as np, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> ds = s.experimental_distribute_dataset([np.arange(4.0), np.arange(4.0, 7.0)])
+        >>> [[c.tolist() for c in s.experimental_local_results(b)] for b in ds]
+        [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], [6.0]]]
+    """
+
+    _what = "experimental_distribute_dataset"
+
+    def __init__(self, strategy, options):
+        self._strategy = strategy
+        self._options = _check_options(options, self._what)
+        self._topology = _topology(strategy)
+        self._placer = Placer(strategy, self._options)
+        self._lock = threading.Lock()  # iterators' threads record the first batch and the size
+        self._first = None  # (treedef, [(dtype, row shape)]) of the first batch
+        self._rows = None  # the static batch size: the largest batch seen
+        self._padded = None  # whether batches carry row counts (decided by the first batch)
+
+    def _check(self, element, position: int):
+        """One host batch checked against the first; the static size grows to fit it.
+
+        Returns:
+            ``(leaves, tree, rows)`` as ``batching.check_element`` gives them.
+        """
+        leaves, tree, rows = batching.check_element(element, position, self._what)
+        with self._lock:
+            if self._first is None:
+                self._first = (tree, [(a.dtype, a.shape[1:]) for a in leaves])
+            else:
+                batching.check_same_spec(leaves, tree, self._first, position, self._what)
+            if self._rows is None or rows > self._rows:
+                self._rows = rows  # a larger batch than any before: a new static size
+        return leaves, tree, rows
+
+    def _read_first(self, source):
+        """``source`` with its first batch read and checked now (then put back in front)."""
+        source = iter(source)
+        first = next(source, _END)
+        if first is _END:
+            return source
+        self._check(first, 0)
+        return itertools.chain([first], source)
+
+    def _padding(self, needed: bool) -> bool:
+        """Whether this batch carries row counts: once one does, all do (one signature)."""
+        if self._padded is None:
+            # Counts ride along unless no batch can ever need padding, so a partial batch
+            # later does not change the step's signature.
+            self._padded = not (self._options.drop_remainder and self._rows % self._parts == 0)
+        self._padded = self._padded or needed
+        return self._padded
+
+    @property
+    def _parts(self) -> int:
+        """How many replicas share one batch."""
+        raise NotImplementedError
+
+    def __iter__(self) -> DistributedIterator:
+        epoch = self._epoch()
+        threaded = self._options.prefetch_thread
+        if threaded is None:
+            threaded = any(d.platform != "cpu" for d in self._strategy.extended.devices)
+        if threaded:
+            source = Prefetcher(epoch, self._options.experimental_per_replica_buffer_size)
+        else:
+            source = Inline(epoch)
+        return DistributedIterator(self._strategy, source, self)
+
+    @property
+    def element_spec(self):
+        """The structure of each replica's component: a nest of ``jax.ShapeDtypeStruct``.
+
+        Shapes are the padded per-replica shapes the step function sees, dtypes those of the
+        arrays it gets (JAX's: float64 data arrives as float32 unless x64 is enabled). Before
+        the first iteration this reads the dataset's first batch.
+
+        Example:
+            >>> import numpy as np, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> s.experimental_distribute_dataset([{"x": np.zeros((6, 3))}]).element_spec
+            {'x': ShapeDtypeStruct(shape=(3, 3), dtype=float32)}
+        """
+        if self._first is None:
+            self._peek()
+            if self._first is None:
+                raise ValueError(f"{self._what}: the dataset is empty, so it has no element_spec.")
+        tree, specs = self._first
+        rows = self._rows
+        if self._topology.num_replicas > 1:
+            rows = batching.padded_size(rows, self._parts)
+        if self._options.experimental_fetch_to_device:
+            specs = [(jax.dtypes.canonicalize_dtype(dtype), shape) for dtype, shape in specs]
+        return jax.tree.unflatten(tree, [jax.ShapeDtypeStruct((rows,) + shape, dtype)
+                                         for dtype, shape in specs])
+
+    def _peek(self) -> None:
+        """Read the first batch (for ``element_spec``) without losing it."""
+        raise NotImplementedError
+
+    def _epoch(self):
+        """The placed batches of one epoch: a generator, run on the prefetch thread or in next."""
+        raise NotImplementedError
+
+
+def peeked(factory, read_first, what):
+    """``factory`` after its source's first batch was read: one-shot sources get it back.
+
+    Args:
+        factory: a dataset's epoch factory (``sources.epoch_factory``).
+        read_first: the dataset's ``_read_first``.
+        what: the API name, for errors.
+
+    Returns:
+        A factory whose next epoch starts with the batch already read.
+    """
+    if isinstance(factory, sources.OneShot):
+        source = read_first(factory())
+        return sources.OneShot(source, what)
+    read_first(factory())
+    return factory
+
+
+class GlobalBatchDataset(DistributedDataset):
+    """What ``experimental_distribute_dataset`` returns: global batches split by TF's rule.
+
+    Args:
+        strategy: the strategy to distribute over.
+        dataset: the host batches (see ``sources.epoch_factory`` for what it can be).
+        options: an ``InputOptions`` or ``None``.
+
+    Raises:
+        ValueError: for something that is not a dataset, or options this method refuses.
+    """
+
+    def __init__(self, strategy, dataset, options=None):
+        super().__init__(strategy, options)
+        what = self._what
+        if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            raise ValueError("InputReplicationMode.PER_REPLICA is only supported in "
+                             "`distribute_datasets_from_function`.")
+        policy = self._options.auto_shard_policy
+        if policy is AutoShardPolicy.FILE and self._topology.num_workers > 1:
+            raise ValueError(
+                f"{what}: AutoShardPolicy.FILE needs a file-based dataset, and jaxmirror is "
+                f"given batches, not files. Use AutoShardPolicy.DATA (or AUTO), or shard by file "
+                f"yourself in `distribute_datasets_from_function`."
+            )
+        self._off = policy is AutoShardPolicy.OFF
+        self._factory = sources.epoch_factory(dataset, what)
+        self._plans = {}  # (rows, static rows) -> (size, share, row index)
+
+    @property
+    def _parts(self) -> int:
+        topo = self._topology  # all replicas, or (OFF) this worker's
+        return len(topo.local) if self._off and topo.num_workers > 1 else topo.num_replicas
+
+    def _peek(self) -> None:
+        self._factory = peeked(self._factory, self._read_first, self._what)
+
+    def _epoch(self):
+        return self._batches(self._read_first(self._factory()))
+
+    def _batches(self, source):
+        for position, element in enumerate(source):
+            leaves, tree, rows = self._check(element, position)
+            if rows < self._rows and self._options.drop_remainder:
+                continue
+            yield self._place(tree, leaves, rows)
+
+    def _place(self, tree, leaves, rows):
+        if self._topology.num_replicas == 1:
+            return self._placer.place_single(tree, leaves)
+        size, share, index = self._plan(rows)
+        padded = self._padding(index is not None)
+        blocks = [batching.local_block(a, share, size, index) for a in leaves]
+        return self._placer.place(tree, blocks, share.counts if padded else None)
+
+    def _plan(self, rows):
+        """How a batch of ``rows`` rows is split and padded (an epoch has few distinct sizes)."""
+        key = (rows, self._rows)
+        plan = self._plans.get(key)
+        if plan is None:
+            size = batching.padded_size(self._rows, self._parts)
+            share = batching.share(rows, self._topology, self._off)
+            plan = self._plans[key] = (size, share, batching.row_index(share, size))
+        return plan

@@ -1,0 +1,114 @@
+"""``DistributedDatasetsFromFunction``: per-replica batches from ``dataset_fn(InputContext)``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxmirror.data import batching, sources
+from jaxmirror.data.datasets import DistributedDataset, peeked
+from jaxmirror.data.options import InputContext, InputReplicationMode
+
+
+class DistributedDatasetsFromFunction(DistributedDataset):
+    """The dataset ``strategy.distribute_datasets_from_function`` returns.
+
+    ``dataset_fn(InputContext)`` is called once per worker (``PER_WORKER``) or once per replica
+    (``PER_REPLICA``) and returns a re-iterable of *per-replica* batches. Each step every
+    replica takes the next batch of its pipeline; a replica whose pipeline has run out gets
+    zero rows, and the iteration ends when every replica's has. Batches are padded to the
+    first one's size, with row counts, as in ``DistributedDataset``.
+
+    Args:
+        strategy: the strategy to distribute over.
+        dataset_fn: called with an ``InputContext``; returns a dataset of per-replica batches.
+        options: an ``InputOptions``.
+
+    Raises:
+        ValueError: for a non-callable ``dataset_fn`` or bad options; with several workers,
+            unless ``drop_remainder`` makes every step full (workers cannot agree on partial
+            steps without a collective of their own).
+
+    Example:
+        >>> import numpy as np, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> options = jaxmirror.InputOptions(
+        ...     experimental_replication_mode=jaxmirror.InputReplicationMode.PER_REPLICA)
+        >>> ds = s.distribute_datasets_from_function(
+        ...     lambda ctx: [np.full(2, ctx.input_pipeline_id)], options)
+        >>> [[c.tolist() for c in s.experimental_local_results(b)] for b in ds]
+        [[[0, 0], [1, 1]]]
+    """
+
+    _what = "distribute_datasets_from_function"
+
+    def __init__(self, strategy, dataset_fn, options=None):
+        super().__init__(strategy, options)
+        what = self._what
+        if not callable(dataset_fn):
+            raise ValueError(f"{what}: `dataset_fn` must be a function taking an InputContext; "
+                             f"got {type(dataset_fn).__name__}.")
+        topo = self._topology
+        if topo.num_workers > 1 and not self._options.drop_remainder:
+            raise ValueError(
+                f"{what}: with several workers every step must be full: pass "
+                f"InputOptions(drop_remainder=True) (a worker cannot know how many rows the "
+                f"others' replicas got in a partial step)."
+            )
+        self._per_replica = (self._options.experimental_replication_mode
+                             is InputReplicationMode.PER_REPLICA)
+        n = topo.num_replicas
+        if self._per_replica:
+            contexts = [InputContext(n, i, n) for i in topo.local]
+        else:
+            contexts = [InputContext(topo.num_workers, topo.worker_index, n)]
+        self._factories = [sources.epoch_factory(dataset_fn(ctx), what) for ctx in contexts]
+
+    @property
+    def _parts(self) -> int:
+        return 1
+
+    def _peek(self) -> None:
+        self._factories[0] = peeked(self._factories[0], self._read_first, self._what)
+
+    def _epoch(self):
+        first, *rest = [f() for f in self._factories]
+        return self._steps([self._read_first(first)] + [iter(r) for r in rest])
+
+    def _steps(self, iterators):
+        """Per step, one batch per local replica."""
+        if self._per_replica:
+            pulls = [lambda it=it: next(it, None) for it in iterators]
+        else:
+            (shared,) = iterators
+            pulls = [lambda: next(shared, None)] * len(self._topology.local)
+        position = 0
+        while True:
+            elements = [pull() for pull in pulls]
+            if all(e is None for e in elements):
+                return
+            checked = []
+            for element in elements:
+                if element is not None:
+                    leaves, _, rows = self._check(element, position)
+                    element = (leaves, rows)
+                    position += 1
+                checked.append(element)
+            counts = [0 if c is None else c[1] for c in checked]
+            if self._options.drop_remainder and min(counts) < self._rows:
+                continue
+            yield self._stack(checked, counts)
+
+    def _stack(self, checked, counts):
+        tree = self._first[0]
+        if self._topology.num_replicas == 1:
+            return self._placer.place_single(tree, checked[0][0])
+        size = self._rows
+        padded = self._padding(any(c != size for c in counts))
+        some = next(c[0] for c in checked if c is not None)  # a real batch to copy rows from
+        blocks = []
+        for j in range(len(some)):
+            parts = [np.take(some[j] if c is None else c[0][j],
+                             batching.padded_positions(0, count, size), axis=0)
+                     for c, count in zip(checked, counts)]
+            blocks.append(np.stack(parts))
+        return self._placer.place(tree, blocks, counts if padded else None)

@@ -1,0 +1,76 @@
+"""``Placer``: a batch's host blocks onto the replicas' devices, as ``PerReplica`` values."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxmirror.core.values import PerReplica
+from jaxmirror.data.options import InputOptions
+
+
+class Placer:
+    """Turns host blocks (``(local replicas, rows, ...)`` per leaf) into PerReplica values.
+
+    One ``jax.device_put`` per batch (``make_array_from_process_local_data`` with several
+    processes); the row counts of each pattern are placed once and reused.
+
+    Args:
+        strategy: the strategy whose replicas get the batches.
+        options: the dataset's ``InputOptions`` (``experimental_fetch_to_device``).
+    """
+
+    def __init__(self, strategy, options: InputOptions):
+        self._placement = strategy.extended.placement
+        self._fetch = options.experimental_fetch_to_device
+        self._multi_process = jax.process_count() > 1
+        # An epoch has one or two row-count patterns: each is placed once, not once per batch
+        # (a transfer costs as much as a data leaf's). Each leaf position has its own array, so
+        # donating one leaf (in a jax.jit of the user's; run refuses) spares the others'.
+        self._counts = {}
+
+    def place(self, tree, blocks, counts):
+        """The batch as a nest of ``PerReplica`` values.
+
+        Args:
+            tree: the batch's structure.
+            blocks: one ``(local replicas, size, ...)`` array per leaf.
+            counts: every replica's real rows, or ``None`` for a batch that needs none.
+
+        Returns:
+            The nest; each leaf's row counts are the array cached for its position.
+        """
+        placement = self._placement
+        counts = None if counts is None else tuple(counts)
+        if not self._fetch:
+            placed = blocks
+        elif self._multi_process:
+            placed = [jax.make_array_from_process_local_data(
+                placement.replica_sharding, b, (placement.num_replicas,) + b.shape[1:])
+                for b in blocks]
+        else:  # one transfer for the whole batch
+            placed = jax.device_put(blocks, [placement.replica_sharding] * len(blocks))
+        return jax.tree.unflatten(tree, [
+            PerReplica(x, None if counts is None else self._counts_array(counts, j))
+            for j, x in enumerate(placed)])
+
+    def _counts_array(self, counts: tuple, leaf: int):
+        array = self._counts.get((counts, leaf))
+        if array is None or (isinstance(array, jax.Array) and array.is_deleted()):
+            host = np.asarray(counts, np.int32)
+            placement = self._placement
+            if not self._fetch:
+                array = host
+            elif self._multi_process:
+                array = jax.make_array_from_process_local_data(placement.replicated_sharding,
+                                                               host, host.shape)
+            else:
+                array = jax.device_put(host, placement.replicated_sharding)
+            self._counts[(counts, leaf)] = array
+        return array
+
+    def place_single(self, tree, leaves):
+        """One replica: the batch as plain arrays on its device, as TF gives them."""
+        if not self._fetch:
+            return jax.tree.unflatten(tree, leaves)
+        return jax.tree.unflatten(tree, jax.device_put(leaves, self._placement.devices[0]))

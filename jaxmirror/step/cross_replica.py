@@ -1,0 +1,255 @@
+"""The cross-replica view of values: local results, ``reduce`` and ``gather``.
+
+Each rule here works on the global, replica-stacked form of a value, with ``jnp``, so the same
+code serves the host (after ``run``) and, later, a ``merge_fn`` traced inside the SPMD program.
+A leaf is one of three kinds:
+
+* ``PerReplica``: components stacked along axis 0;
+* mirrored: a ``Mirrored`` wrapper, or a concrete ``jax.Array`` replicated over exactly the
+  strategy's devices: N identical components;
+* plain: anything else, which counts as "not distributed" (TF's rules for those apply).
+
+A distributed variable counts as the distributed value it holds (``distributed_view``): a
+mirrored one as mirrored, a sync-on-read one as its components. Inside a ``merge_fn`` a per-replica value is a
+``GatheredPerReplica``: reducing it is one all-reduce of this replica's component.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax import lax
+
+from jaxmirror.core import _compat, context
+from jaxmirror.core.reduce_op import ReduceOp, as_reduce_op
+from jaxmirror.core.stateful import Stateful
+from jaxmirror.core.values import (GatheredPerReplica, Mirrored, PerReplica, host_counts,
+                                   is_distributed)
+
+
+def views(value):
+    """``value`` with every variable replaced by the distributed value it holds."""
+    return jax.tree.map(lambda x: x.distributed_view() if isinstance(x, Stateful) else x, value,
+                        is_leaf=is_distributed)
+
+PER_REPLICA, MIRRORED, PLAIN = "per_replica", "mirrored", "plain"
+
+
+def kind(strategy, x) -> str:
+    if isinstance(x, PerReplica):
+        return PER_REPLICA
+    if isinstance(x, Mirrored):
+        return MIRRORED
+    if (isinstance(x, jax.Array) and not _compat.is_tracer(x) and strategy.num_replicas_in_sync > 1
+            and x.sharding.is_fully_replicated
+            and x.sharding.device_set == strategy.extended.placement.device_set):
+        return MIRRORED
+    return PLAIN
+
+
+def _mirrored_value(x):
+    return x.value if isinstance(x, Mirrored) else x
+
+
+def require_cross_replica(strategy, method: str) -> None:
+    entry = context.current()
+    if entry.replica_context is not None and entry.strategy is not context.default_strategy():
+        other = "all_reduce" if method in ("reduce", "reduce_to", "batch_reduce_to") else "all_gather"
+        raise RuntimeError(
+            f"`{method}` is a cross-replica method and was called in a replica context (inside "
+            f"`run`). Method requires being in cross-replica context, use "
+            f"get_replica_context().merge_call(), or get_replica_context().{other}() to combine "
+            f"values across replicas inside the step."
+        )
+
+
+def _norm_axis(axis, rank: int, method: str) -> int:
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -rank <= axis < rank:
+        raise ValueError(
+            f"{method}: `axis` must be an int in [{-rank}, {rank}) for values of rank {rank}; "
+            f"got {axis!r}."
+        )
+    return axis % rank
+
+
+def local_results(strategy, value) -> tuple:
+    """``experimental_local_results``: a tuple of this process's per-replica values."""
+    value = views(value)
+    leaves, tree = jax.tree.flatten(value, is_leaf=is_distributed)
+    if not any(kind(strategy, x) != PLAIN for x in leaves):
+        return (value,)
+    n = strategy.extended.placement.num_local_replicas
+    columns = []
+    for x in leaves:
+        k = kind(strategy, x)
+        if k == PER_REPLICA:
+            columns.append(x.values)
+        elif k == MIRRORED:
+            columns.append(Mirrored(_mirrored_value(x), n).values)
+        else:
+            columns.append((x,) * n)
+    return tuple(jax.tree.unflatten(tree, list(row)) for row in zip(*columns))
+
+
+def _reduce_leaf(strategy, op: ReduceOp, x, axis):
+    n = strategy.num_replicas_in_sync
+    if isinstance(x, GatheredPerReplica):
+        return _reduce_gathered(op, x, axis, n)
+    k = kind(strategy, x)
+    if k == PER_REPLICA:
+        stacked = _real_rows(x, axis, "reduce")
+        if isinstance(stacked, _Uneven):
+            return _reduce_uneven_rows(op, stacked)
+        if axis is None:
+            return stacked.sum(0) if op is ReduceOp.SUM else stacked.mean(0)
+        ax = _norm_axis(axis, stacked.ndim - 1, "reduce") + 1
+        total = stacked.sum(axis=(0, ax))
+        return total if op is ReduceOp.SUM else total / (stacked.shape[0] * stacked.shape[ax])
+    v = jnp.asarray(_mirrored_value(x))
+    if axis is not None:
+        ax = _norm_axis(axis, v.ndim, "reduce")
+        # A mirrored or plain value counts as N copies, one per replica.
+        return n * v.sum(ax) if op is ReduceOp.SUM else v.mean(ax)
+    if op is ReduceOp.MEAN:
+        return v
+    if k == PLAIN:
+        raise ValueError(
+            f"A non-DistributedValues value {x!r} cannot be reduced with the given reduce op "
+            f"{op}. Return it from `run`, or reduce it with ReduceOp.MEAN."
+        )
+    return n * v
+
+
+class _Uneven:
+    """A padded value whose components have different numbers of real rows."""
+
+    def __init__(self, stacked, counts):
+        self.stacked, self.counts = stacked, counts
+
+
+def _real_rows(x: PerReplica, axis, method: str):
+    """``x.stacked`` cut to its real rows; ``_Uneven`` when only a row-axis reduction can say.
+
+    A padded batch's components all have the static number of rows; TF's would have their
+    real counts. Equal counts: slice and every rule applies. Unequal counts: the components
+    only combine along the row axis (TF fails on the shape mismatch otherwise; so do we).
+    """
+    counts = x.row_counts
+    stacked = x.stacked
+    if counts is None:
+        return stacked
+    counts = host_counts(counts)
+    if len(set(counts)) == 1:
+        return stacked[:, :counts[0]]
+    if axis is None or _norm_axis(axis, stacked.ndim - 1, method) != 0:
+        raise ValueError(
+            f"{method}: the components of this value have different numbers of rows "
+            f"{list(counts)} (an uneven or partial batch), so they can only be combined along "
+            f"axis 0, the batch axis; got axis={axis!r}."
+        )
+    return _Uneven(stacked, counts)
+
+
+def _row_mask(stacked, counts):
+    rows = jnp.arange(stacked.shape[1])
+    mask = rows[None, :] < jnp.asarray(counts)[:, None]
+    return mask.reshape(mask.shape + (1,) * (stacked.ndim - 2))
+
+
+def _reduce_uneven_rows(op: ReduceOp, u: _Uneven):
+    stacked = jnp.asarray(u.stacked)
+    total = jnp.where(_row_mask(stacked, u.counts), stacked, 0).sum(axis=(0, 1))
+    if op is ReduceOp.SUM:
+        return total
+    if not jnp.issubdtype(total.dtype, jnp.inexact):
+        total = total.astype(jnp.result_type(float))
+    return total / sum(u.counts)
+
+
+def _real_row_concat(u: _Uneven):
+    stacked = jnp.asarray(u.stacked)
+    n, size = stacked.shape[:2]
+    rows = [i * size + r for i in range(n) for r in range(u.counts[i])]
+    return stacked.reshape((n * size,) + stacked.shape[2:])[jnp.asarray(rows, jnp.int32)]
+
+
+def _reduce_gathered(op: ReduceOp, x: GatheredPerReplica, axis, n: int):
+    local = jnp.asarray(x.local)
+    count = n
+    if axis is not None:
+        ax = _norm_axis(axis, local.ndim, "reduce")
+        count = n * local.shape[ax]
+        local = local.sum(ax)
+    if op is ReduceOp.MEAN and not jnp.issubdtype(local.dtype, jnp.inexact):
+        local = local.astype(jnp.result_type(float))  # as jnp.mean does on the host
+    total = lax.psum(local, x.axis_name)
+    return total if op is ReduceOp.SUM else total / count
+
+
+def reduce(strategy, reduce_op, value, axis, method: str = "reduce"):
+    """``Strategy.reduce`` (see there); ``method`` names the caller in errors."""
+    op = as_reduce_op(reduce_op)
+    require_cross_replica(strategy, method)
+    value = views(value)
+    if strategy.num_replicas_in_sync == 1:
+        return reduce_single(op, value, axis)
+    return jax.tree.map(lambda x: _reduce_leaf(strategy, op, x, axis), value, is_leaf=is_distributed)
+
+
+def _single_component(x):
+    if isinstance(x, PerReplica):
+        return x.stacked[0]
+    return _mirrored_value(x)
+
+
+def reduce_single(op: ReduceOp, value, axis):
+    """One replica: the value itself, reduced along ``axis`` if one is given."""
+
+    def leaf(x):
+        v = _single_component(x)
+        if axis is None:
+            return v
+        v = jnp.asarray(v)
+        ax = _norm_axis(axis, v.ndim, "reduce")
+        return v.sum(ax) if op is ReduceOp.SUM else v.mean(ax)
+
+    return jax.tree.map(leaf, value, is_leaf=is_distributed)
+
+
+def _gather_leaf(strategy, x, axis):
+    n = strategy.num_replicas_in_sync
+    if kind(strategy, x) == PER_REPLICA:
+        stacked = _real_rows(x, axis, "gather")
+        if isinstance(stacked, _Uneven):  # axis 0: the real rows of every component, in order
+            return _real_row_concat(stacked)
+    else:
+        v = jnp.asarray(_mirrored_value(x))
+        stacked = jnp.broadcast_to(v, (n,) + v.shape)
+    rank = stacked.ndim - 1
+    if rank < 1:
+        raise ValueError(
+            "gather: the components of `value` must have rank >= 1; got scalars. Expand them "
+            "with x[None] before gathering."
+        )
+    ax = _norm_axis(axis, rank, "gather")
+    moved = jnp.moveaxis(stacked, 0, ax)  # (..., N, s[ax], ...)
+    return moved.reshape(moved.shape[:ax] + (-1,) + moved.shape[ax + 2:])
+
+
+def gather(strategy, value, axis):
+    """``Strategy.gather``: each leaf's components concatenated along ``axis``."""
+    require_cross_replica(strategy, "gather")
+    value = views(value)
+    if strategy.num_replicas_in_sync == 1:
+        def leaf(x):
+            v = jnp.asarray(_single_component(x))
+            if v.ndim < 1:
+                raise ValueError("gather: `value` must have rank >= 1; got a scalar.")
+            _norm_axis(axis, v.ndim, "gather")
+            return v
+        return jax.tree.map(leaf, value, is_leaf=is_distributed)
+    return jax.tree.map(lambda x: _gather_leaf(strategy, x, axis), value, is_leaf=is_distributed)
+
+
+__all__ = ["gather", "kind", "local_results", "reduce", "reduce_single"]

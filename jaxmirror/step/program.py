@@ -1,0 +1,269 @@
+"""The compiled form of a step function: one ``jax.jit(shard_map(...))`` program per strategy.
+
+``Program`` is what ``strategy.run``, ``@strategy.run`` and ``strategy.function`` share. Its
+``__call__`` is the hot path: a context check, ``jax.jit``'s own C++ cache lookup and dispatch,
+and (on CPU) one append to the in-flight queue. All the Python work happens once per input
+signature, while ``jax.jit`` traces ``_trace``: it traces the user's function once on
+per-replica values (``trace.trace_replica``), decides which outputs are replicated, and emits
+that jaxpr for the inputs' real placement (``trace.emit``). The variables' new arrays come back
+as extra outputs and are stored once the call has returned (``variables.variable.write_back``).
+
+Variables reached by closure are found by the first trace and passed in from then on; variables
+passed as arguments are swapped for their arrays. The user's function is never traced a second
+time for the same per-replica signature.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+from jaxmirror.core import _compat, binding, context, inflight
+from jaxmirror.core.stateful import Stateful
+from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
+from jaxmirror.step.trace import Traced, emit, trace_replica
+from jaxmirror.variables.variable import state_of, write_back
+
+
+def wants_arguments(fn) -> bool:
+    """True when ``fn`` has a required positional parameter (then ``run(fn)`` decorates)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in params)
+
+
+def check_can_run(strategy) -> None:
+    """Refuse a ``run`` of ``strategy`` here, before any device work, as TF does.
+
+    ``run`` inside a step that ``run`` is tracing raises, and so does a strategy's ``run`` inside
+    another strategy's scope.
+
+    Args:
+        strategy: the strategy whose ``run`` is called.
+
+    Raises:
+        RuntimeError: in those two cases.
+    """
+    entry = context.current()
+    if entry.in_run:
+        raise RuntimeError(
+            "`run` was called inside a function that `run` is already running. Method requires "
+            "being in cross-replica context, use get_replica_context().merge_call() or call the "
+            "inner function directly."
+        )
+    if entry.strategy is not strategy and entry.strategy is not context.default_strategy():
+        raise context.mixing_error(entry.strategy, strategy)
+
+
+class Program:
+    """``fn`` compiled for every replica of ``strategy``; call it like ``fn``.
+
+    Args:
+        strategy: the strategy whose devices run the program.
+        fn: the step function, written for one replica.
+        donate_argnums: positional arguments whose buffers the outputs may reuse.
+    """
+
+    def __init__(self, strategy, fn, donate_argnums=()):
+        self._strategy = strategy
+        self._fn = fn
+        self.trace_count = 0  # how often the user's function was traced
+        self.compile_count = 0  # how often jax.jit traced (and so compiled) this program
+        self._traced = {}  # per-replica input signature -> Traced
+        self._handle_path = ()  # getters from the output to its smallest array (last trace)
+        self._track = strategy.extended.placement.bound_in_flight
+        self._donate_argnums = tuple(donate_argnums)
+        self._variable_args = False  # the step was given variables as arguments
+        self._captured = ()  # variables the step reaches by closure, found while tracing
+        self._captured_key = None  # the binding of a call without variable arguments
+        # jit arguments: (variable binding (static), captured variables' arrays, *args, **kwargs)
+        self._jitted = jax.jit(self._trace, static_argnums=0,
+                               donate_argnums=tuple(i + 2 for i in donate_argnums))
+        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    @functools.cached_property
+    def wants_arguments(self) -> bool:
+        """Whether ``fn`` has a required positional parameter (see ``Strategy.run``)."""
+        return wants_arguments(self._fn)
+
+    @property
+    def fn(self):
+        """The user's per-replica function."""
+        return self._fn
+
+    def __call__(self, *args, **kwargs):
+        check_can_run(self._strategy)
+        if self._variable_args:
+            return self._call_with_variable_args(args, kwargs)
+        captured = self._captured
+        try:
+            if captured:  # TF's usual style: variables by closure, nothing to flatten per call
+                if not _compat.trace_state_clean():
+                    raise self._transformed_error()
+                out, token, writes = self._jitted(self._captured_key,
+                                                  tuple(map(state_of, captured)), *args, **kwargs)
+            else:
+                out, token, writes = self._jitted(None, (), *args, **kwargs)
+        except binding.Discovered as found:  # the step reads variables by closure
+            self._capture(found.variables)
+            return self(*args, **kwargs)
+        except (TypeError, ValueError):  # jax.jit refuses Variable arguments
+            if not _has_variables(args, kwargs):
+                raise
+            self._variable_args = True
+            return self._call_with_variable_args(args, kwargs)
+        return self._finish(out, token, writes, captured)
+
+    def _call_with_variable_args(self, args, kwargs):
+        """A call whose arguments may hold variables: they go in as their arrays."""
+        captured = self._captured
+        key, a, k = _take_variables(args, kwargs, captured)
+        if (key[1] or captured) and not _compat.trace_state_clean():
+            raise self._transformed_error()
+        if key[1] and self._donate_argnums:
+            self._check_not_donating_variables(args)
+        try:
+            out, token, writes = self._jitted(key, tuple(map(state_of, captured)), *a, **k)
+        except binding.Discovered as found:
+            self._capture(found.variables)
+            return self._call_with_variable_args(args, kwargs)
+        return self._finish(out, token, writes, key[1] + captured)
+
+    def _finish(self, out, token, writes: dict, variables: tuple):
+        """The call succeeded: every write lands, and the call counts against the bound."""
+        if writes:
+            write_back(variables, writes)
+        if self._track:
+            inflight.track_array(token if token is not None else self._handle(out))
+        return out
+
+    def _donated_argument_holding(self, args, predicate):
+        """The first donated positional argument with a leaf ``predicate`` accepts, or None."""
+        for i in self._donate_argnums:
+            if i < len(args) and any(map(predicate,
+                                         jax.tree.leaves(args[i], is_leaf=is_distributed))):
+                return i
+        return None
+
+    def _check_not_donating_variables(self, args) -> None:
+        i = self._donated_argument_holding(args, lambda x: isinstance(x, Stateful))
+        if i is not None:
+            raise ValueError(
+                f"{self.__name__}: `donate_argnums` includes argument {i}, which holds "
+                f"jaxmirror Variables; a variable's array is its state and cannot be donated. "
+                f"Donate only arrays (variables are written back after the call anyway)."
+            )
+
+    def _check_not_donating_batches(self, args) -> None:
+        """Trace time only: a batch's leaves share their row counts, which must outlive it."""
+        i = self._donated_argument_holding(
+            args, lambda x: is_per_replica(x) and x.row_counts is not None)
+        if i is not None:
+            raise ValueError(
+                f"{self.__name__}: `donate_argnums` includes argument {i}, a batch from a "
+                f"distributed dataset; its leaves share their row counts with the rest of "
+                f"the batch (and later batches), so it cannot be donated. Donate params and "
+                f"optimizer state, not batches."
+            )
+
+    def _capture(self, variables: tuple) -> None:
+        self._captured = self._captured + variables
+        self._captured_key = ((), (), self._captured)
+
+    def _transformed_error(self) -> RuntimeError:
+        return RuntimeError(
+            f"{self.__name__}: a step that uses jaxmirror Variables cannot be called inside "
+            f"jax.jit, jax.grad or lax.scan (its assignments would be lost). Call it directly, "
+            f"or pass arrays instead of variables."
+        )
+
+    def _handle(self, out):
+        """One output array of this call, found without flattening ``out`` (DESIGN: hot path)."""
+        try:
+            for getter in self._handle_path:
+                out = getter(out)
+            return out.stacked if isinstance(out, PerReplica) else out
+        except Exception:  # another signature's output structure: fall back to flattening
+            leaves = jax.tree.leaves(out)
+            return leaves[-1] if leaves else None
+
+    def __repr__(self) -> str:
+        return f"<jaxmirror step {self.__name__} on {self._strategy!r}>"
+
+    # -- trace time only -------------------------------------------------------------------
+    def _trace(self, bound, captured_states, *args, **kwargs):
+        self.compile_count += 1
+        leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
+        n_args = len(leaves)
+        # Batches from a distributed dataset: their row counts go in as replicated operands
+        # after the captured variables' arrays, so a new partial batch is new data, not a new
+        # program.
+        padded = tuple(i for i, x in enumerate(leaves)
+                       if is_per_replica(x) and x.row_counts is not None)
+        if padded and self._donate_argnums:
+            self._check_not_donating_batches(args)
+        counts = [leaves[i].row_counts for i in padded]
+        leaves += list(captured_states)
+        stacked = tuple(is_per_replica(x) for x in leaves) + (False,) * len(counts)
+        # Each replica sees a PerReplica's own component and a Mirrored's value.
+        flat = [x.stacked if s else (x.value if isinstance(x, Mirrored) else x)
+                for x, s in zip(leaves, stacked)] + counts
+        local = tuple(_compat.local_abstract_key(x, s) for x, s in zip(flat, stacked))
+        traced = self._traced_for(in_tree, n_args, local, bound, padded)
+        self._handle_path = traced.handle_path
+        outs = emit(traced, flat, stacked, self._strategy.extended.placement, len(counts))
+        n_out = len(outs) - len(traced.written)
+        results, new_states = outs[:n_out], outs[n_out:]
+        # A step with no outputs still queues collectives: give the in-flight bound a handle.
+        token = None if results else jnp.zeros((), jnp.int32)
+        return (jax.tree.unflatten(traced.out_tree, results), token,
+                dict(zip(traced.written, new_states)))
+
+    def _traced_for(self, in_tree, n_args, local, bound, padded) -> Traced:
+        """The user's function traced for this per-replica signature (once per signature).
+
+        The user's function sees only per-replica values, so one trace serves every placement
+        of the inputs: host or replicated arrays, replicated or stacked (a variable whose
+        replicas diverged) ones. jax.jit retraces for those; the user's function does not.
+        """
+        key = (in_tree, local, bound, padded)
+        traced = self._traced.get(key)
+        if traced is None:
+            self.trace_count += 1
+            traced = trace_replica(self._strategy, self._fn, in_tree, n_args, local, bound,
+                                   padded)
+            if not any(_compat.is_tracer(c) for c in traced.jaxpr.consts):
+                self._traced[key] = traced
+        return traced
+
+
+def _has_variables(args, kwargs) -> bool:
+    return any(isinstance(x, Stateful)
+               for x in jax.tree.leaves((args, kwargs), is_leaf=is_distributed))
+
+
+def _take_variables(args, kwargs, captured):
+    """Variables in the arguments replaced by their arrays, and the static binding key.
+
+    Returns:
+        ``((positions, variables, captured), args, kwargs)``: the flat positions of the
+        variables among the arguments' leaves, the variables, and the captured ones.
+    """
+    # Numbered as _trace numbers them: distributed values are leaves.
+    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
+    positions, variables = [], []
+    for i, x in enumerate(leaves):
+        if isinstance(x, Stateful):
+            positions.append(i)
+            variables.append(x)
+            leaves[i] = state_of(x)
+    args, kwargs = jax.tree.unflatten(tree, leaves)
+    return (tuple(positions), tuple(variables), captured), args, kwargs

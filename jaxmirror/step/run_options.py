@@ -1,0 +1,35 @@
+"""``RunOptions``: options for ``Strategy.run``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Options for ``Strategy.run`` (``tf.distribute.RunOptions``, with JAX's own knobs).
+
+    Args:
+        donate_argnums: positions of ``args`` whose buffers the step may reuse for its outputs
+            (``jax.jit``'s donation): pass the params' position so updated params are written in
+            place of the old ones. A donated argument must not be used after the call.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> params = s.run(lambda: jnp.zeros(3))
+        >>> new = s.run(lambda p: p + 1, args=(params,),
+        ...             options=jaxmirror.RunOptions(donate_argnums=(0,)))
+        >>> new.tolist()
+        [1.0, 1.0, 1.0]
+    """
+
+    donate_argnums: tuple = ()
+
+    def __post_init__(self):
+        nums = self.donate_argnums
+        nums = (nums,) if isinstance(nums, int) else tuple(nums)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+            raise ValueError(f"RunOptions: `donate_argnums` must be non-negative ints; got "
+                             f"{self.donate_argnums!r}.")
+        object.__setattr__(self, "donate_argnums", nums)

@@ -1,0 +1,204 @@
+"""Tracing a step function once per replica signature, and emitting it for the inputs' placement.
+
+``trace_replica`` traces the user's function on per-replica values (so one trace serves every
+placement of the inputs), with the variables it uses bound to traced stand-ins
+(``core.binding``), and records what the step returned and assigned. ``emit`` re-emits that
+jaxpr under ``shard_map`` with the real ``in_specs`` and the ``out_specs`` the replication
+analysis chose: replicated outputs come back as plain arrays replicated over the mesh
+(Mirrored), the others as ``PerReplica``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxmirror.core import _compat, binding, context
+from jaxmirror.core._compat import P
+from jaxmirror.core.values import PerReplica, is_distributed
+from jaxmirror.step import replication, rows
+from jaxmirror.step.replica_context import ReplicaContext
+from jaxmirror.variables.distributed import SyncOnReadVariable
+
+
+class Traced(NamedTuple):
+    """One trace of the user's function (see ``trace_replica``)."""
+
+    jaxpr: object  # a ClosedJaxpr with one shard_map equation
+    out_tree: object  # the structure of the step's results
+    handle_path: tuple  # getters to the smallest result, for the in-flight bound
+    written: tuple  # which bound variables the step assigned (their arrays are the last outputs)
+    force_varying: list  # outputs that stay per-replica whatever the analysis says
+    row_source: list  # per output: the padded batch whose rows it holds (an index), or None
+
+
+def _as_output_array(x, where):
+    if isinstance(x, (jax.Array, int, float, complex, bool)) or hasattr(x, "__array__"):
+        return jnp.asarray(x)
+    raise TypeError(
+        f"run: the step function must return arrays, Python numbers or nests of them; got "
+        f"{type(x).__name__} at {jax.tree_util.keystr(where) or 'the top level'}."
+    )
+
+
+def _getters(path) -> tuple:
+    """Key path -> getters; a key we cannot follow cheaply gives a path that always falls back."""
+    getters = []
+    for key in path:
+        if isinstance(key, jax.tree_util.SequenceKey):
+            getters.append(operator.itemgetter(key.idx))
+        elif isinstance(key, jax.tree_util.DictKey):
+            getters.append(operator.itemgetter(key.key))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            getters.append(operator.attrgetter(key.name))
+        else:
+            return (_no_path,)
+    return tuple(getters)
+
+
+def _no_path(_):
+    raise LookupError("no cheap path to an output array")
+
+
+def _bind_inputs(frame, strategy, values, n_args, bound) -> list:
+    """The user's flat inputs, with the variables passed or captured bound in ``frame``."""
+    positions, arg_vars, captured = bound or ((), (), ())
+    user = list(values[:n_args])
+    # Whether a variable's replicas agree is not known here (the trace serves every placement);
+    # a distributed variable's slot starts as "may differ", which only costs a collective when
+    # a merge_fn reads the variable before the step writes it.
+    for pos, var in zip(positions, arg_vars):
+        var.check_usable_in(strategy)
+        frame.bind(var, values[pos], mirrored=not is_distributed(var))
+        user[pos] = var
+    for j, var in enumerate(captured):
+        frame.bind(var, values[n_args + j], mirrored=not is_distributed(var))
+    return user
+
+
+def _written_outputs(frame, bound, num_replicas: int) -> dict:
+    """What ``Traced`` records of the variables the step assigned."""
+    positions, arg_vars, captured = bound or ((), (), ())
+    slots = frame.written()
+    # Which variable each write is for: its index among the bound ones (arguments' first, then
+    # captured), a plain dict key, so jit rebuilds the writes in C++.
+    bound_vars = list(arg_vars) + list(captured)
+    index = {id(v): bound_vars.index(v) for v in reversed(bound_vars)}
+    return dict(
+        written=tuple(index[id(s.var)] for s in slots),
+        # A sync-on-read variable keeps one component per replica, even when they agree.
+        written_varying=[isinstance(s.var, SyncOnReadVariable) and num_replicas > 1
+                         for s in slots],
+        values=[jnp.asarray(s.value) for s in slots],
+    )
+
+
+def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=()) -> Traced:
+    """Trace ``fn`` once, for one replica.
+
+    Args:
+        strategy: the strategy the step runs on.
+        fn: the user's per-replica function.
+        in_tree: the structure of ``(args, kwargs)``.
+        n_args: how many of the flat inputs are the user's (the rest are captured variables'
+            arrays, then the padded batches' row counts).
+        local: each flat input's per-replica ``(shape, dtype, weak_type)``.
+        bound: ``None``, or ``(positions, variables, captured)``: the flat positions at which
+            the user passed variables, those variables, and the variables the step reaches by
+            closure (their arrays follow the user's inputs).
+        padded: the flat positions of padded batches; their row counts are the last inputs.
+
+    Returns:
+        A ``Traced``: a closed jaxpr holding one ``shard_map`` whose body is the replica's
+        computation on per-replica inputs, and what ``emit`` needs to emit it.
+
+    Raises:
+        binding.Discovered: when the step reached variables it does not take as inputs yet.
+    """
+    placement = strategy.extended.placement
+    found = {}
+
+    def per_replica_body(*values):
+        frame = binding.Frame(strategy, placement.axis_name, discover=True)
+        user = _bind_inputs(frame, strategy, values, n_args, bound)
+        a, k = jax.tree.unflatten(in_tree, user)
+        first_count = len(values) - len(padded)
+        ctx = ReplicaContext(strategy, axis_name=placement.axis_name, padded_batches=tuple(
+            (local[pos][0][0] if local[pos][0] else None, values[first_count + j])
+            for j, pos in enumerate(padded)))
+        with context.pushed(context.Entry(strategy, ctx, in_run=True)), binding.pushed(frame):
+            result = fn(*a, **k)
+            # Still bound: a variable returned by the step is read as the step left it.
+            with_paths, tree = jax.tree_util.tree_flatten_with_path(result)
+            outs = [_as_output_array(x, path) for path, x in with_paths]
+        if frame.discovered:
+            raise binding.Discovered(tuple(frame.discovered))
+        smallest = min(range(len(outs)), key=lambda i: outs[i].size, default=None)
+        writes = _written_outputs(frame, bound, placement.num_replicas)
+        found.update(
+            out_tree=tree,
+            handle_path=() if smallest is None else _getters(with_paths[smallest][0]),
+            written=writes["written"],
+            force_varying=[False] * len(outs) + writes["written_varying"],
+        )
+        return outs + writes["values"]
+
+    avals = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in local]
+    # Traced with every input and output replicated, i.e. on per-replica values; ``emit`` picks
+    # the real in_specs and out_specs.
+    traced = jax.make_jaxpr(
+        _compat.shard_map(per_replica_body, placement.mesh, P(), P())
+    )(*avals)
+    sources = rows.row_sources(traced, padded)
+    n_results = len(sources) - len(found["written"])
+    row_source = sources[:n_results] + [None] * len(found["written"])
+    return Traced(jaxpr=traced, row_source=row_source, **found)
+
+
+def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int) -> list:
+    """The traced body under ``shard_map`` with the inputs' real placement.
+
+    Args:
+        traced: the trace to emit.
+        flat: the flat inputs as arrays (stacked ones with the replica axis first); the last
+            ``n_counts`` are the padded batches' row counts.
+        stacked: per flat input, whether it is replica-stacked.
+        placement: the strategy's ``Placement``.
+        n_counts: how many row-count inputs end ``flat``.
+
+    Returns:
+        The outputs: replicated arrays for Mirrored ones, ``PerReplica`` for the others (with
+        row counts for those holding a padded batch's rows).
+    """
+    (eqn,) = traced.jaxpr.jaxpr.eqns  # the shard_map, fed by consts and our flat inputs
+    env = dict(zip(traced.jaxpr.jaxpr.constvars, traced.jaxpr.consts))
+    env.update(zip(traced.jaxpr.jaxpr.invars, flat))
+    is_stacked = dict(zip(traced.jaxpr.jaxpr.invars, stacked))
+    operands = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
+    op_stacked = [not isinstance(v, _compat.Literal) and is_stacked.get(v, False)
+                  for v in eqn.invars]
+    inner = eqn.params["jaxpr"]
+    if placement.num_replicas > 1:
+        analysed = replication.analyse(inner, op_stacked)
+        out_varying = [a or f for a, f in zip(analysed, traced.force_varying)]
+    else:
+        out_varying = [False] * len(inner.outvars)
+    body = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(inner, ()))
+
+    def per_replica(*ops):
+        ops = [o.reshape(o.shape[1:]) if s else o for o, s in zip(ops, op_stacked)]
+        outs = body(*ops)
+        return [o[None] if vary else o for o, vary in zip(outs, out_varying)]
+
+    axis = placement.axis_name
+    in_specs = tuple(P(axis) if s else P() for s in op_stacked)
+    out_specs = [P(axis) if vary else P() for vary in out_varying]
+    outs = _compat.shard_map(per_replica, placement.mesh, in_specs, out_specs)(*operands)
+    # A per-replica result computed row by row from a padded batch (rows.py) shows only the
+    # real rows, as TF's would: it carries that batch's row counts back out.
+    counts_in = flat[len(flat) - n_counts:]
+    return [PerReplica(o, None if source is None else counts_in[source]) if vary else o
+            for o, vary, source in zip(outs, out_varying, traced.row_source)]

@@ -1,0 +1,322 @@
+"""``StrategyExtended``: TF's additional APIs for distribution-aware code, and the placement."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+from jaxmirror.core import context, inflight
+from jaxmirror.core import devices as devices_lib
+from jaxmirror.core.placement import Placement
+from jaxmirror.strategies import updates
+from jaxmirror.variables.variable import Variable
+
+
+class StrategyExtended:
+    """Additional APIs for distribution-aware code (``tf.distribute.StrategyExtended``).
+
+    Reach it as ``strategy.extended``. Besides TF's names it exposes the JAX objects behind the
+    strategy: ``mesh`` (a 1-D ``jax.sharding.Mesh``), ``axis_name`` and the two shardings values
+    take (``replicated_sharding`` for Mirrored values, ``replica_sharding`` for stacked
+    PerReplica values).
+
+    ``placement`` is the named interface the rest of jaxmirror uses: the devices, mesh and
+    shardings, and how values are put on them (``core.placement.Placement``).
+
+    Args:
+        container_strategy: the ``Strategy`` this object extends.
+        devices: the JAX devices that run one replica each, in replica order.
+        parameter_devices: where variables live; by default on every compute device.
+        distributed_variables: whether ``Variable(...)`` in the strategy's scope makes
+            Mirrored/SyncOnRead variables (True) or plain variables (False, as TF's
+            OneDeviceStrategy does).
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> s.extended.worker_devices
+        ('/job:localhost/replica:0/task:0/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:1')
+        >>> dict(s.extended.mesh.shape)
+        {'replica': 2}
+    """
+
+    def __init__(self, container_strategy, devices, parameter_devices=None,
+                 distributed_variables: bool = True):
+        self._container_strategy_ref = container_strategy
+        self._placement = Placement(devices, parameter_devices, distributed_variables)
+
+    @property
+    def placement(self) -> Placement:
+        """Where the strategy's values live and how they are put there (``Placement``)."""
+        return self._placement
+
+    @property
+    def mesh(self):
+        """The 1-D ``jax.sharding.Mesh`` (axis ``"replica"``) the programs run on."""
+        return self._placement.mesh
+
+    @property
+    def axis_name(self) -> str:
+        """The mesh axis name collectives run over, for hand-written ``jax.lax`` collectives."""
+        return self._placement.axis_name
+
+    @property
+    def devices(self) -> tuple:
+        """The JAX devices, one per replica, in replica order."""
+        return self._placement.devices
+
+    @property
+    def replicated_sharding(self):
+        """The sharding of Mirrored values: replicated over every replica's device."""
+        return self._placement.replicated_sharding
+
+    @property
+    def replica_sharding(self):
+        """The sharding of stacked PerReplica values: axis 0 split over the replicas."""
+        return self._placement.replica_sharding
+
+    @property
+    def worker_devices(self) -> tuple:
+        """TF-style names of the devices this worker runs replicas on."""
+        return tuple(devices_lib.tf_name(d) for d in self._placement.devices
+                     if d.process_index == jax.process_index())
+
+    @property
+    def parameter_devices(self) -> tuple:
+        """TF-style names of the devices variables are placed on."""
+        return tuple(devices_lib.tf_name(d) for d in self._placement.parameter_devices)
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        """False, as for TF's MirroredStrategy (every program is still compiled for static shapes)."""
+        return False
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        """Run ``fn`` on every replica now (the same as ``strategy.run(fn, args, kwargs)``).
+
+        Args:
+            fn: the per-replica function.
+            args: a tuple or list of positional arguments.
+            kwargs: a dict of keyword arguments.
+
+        Returns:
+            The merged results, as ``Strategy.run`` returns them.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> r = s.extended.call_for_each_replica(
+            ...     lambda: jaxmirror.get_replica_context().replica_id_in_sync_group)
+            >>> [int(x) for x in s.experimental_local_results(r)]
+            [0, 1]
+        """
+        return self._container_strategy_ref.run(fn, args=args, kwargs=kwargs)
+
+    # -- variables and their locality (TF's StrategyExtended page) ------------------------
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """Reduce ``value`` across replicas and place the result at ``destinations``.
+
+        Cross-replica context only (eagerly, or inside a ``merge_call``'s ``merge_fn``). To
+        all-reduce, pass the same value as ``value`` and ``destinations``. If ``destinations`` is
+        a variable the result goes to its devices; the variable is not changed.
+
+        Args:
+            reduce_op: a ``ReduceOp`` (or its name), or ``VariableAggregation.SUM``/``MEAN``.
+            value: a ``PerReplica``/Mirrored value, a variable, or an array.
+            destinations: a variable, a distributed value, an array, or a device string.
+            options: accepted for TF compatibility (XLA picks the collective).
+
+        Returns:
+            The reduced value: replicated over the strategy's devices for a distributed
+            destination, on one device for a device string.
+
+        Raises:
+            ValueError: for empty ``destinations``, a bad reduce op, or a non-distributed value
+                with SUM on several replicas.
+            RuntimeError: in a replica context.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     v = jaxmirror.Variable(0.0)
+            >>> def step_fn(var):
+            ...     def merge_fn(strategy, value, var):
+            ...         reduced = strategy.extended.reduce_to("sum", value, destinations=var)
+            ...         strategy.extended.update(var, lambda var, value: var.assign(value),
+            ...                                  args=(reduced,))
+            ...     jaxmirror.get_replica_context().merge_call(merge_fn, args=(jnp.asarray(1.0), var))
+            >>> _ = s.run(step_fn, args=(v,))
+            >>> v
+            MirroredVariable:{
+              0: <jaxmirror.Variable 'Variable:0' shape=() dtype=float32, numpy=2.0>,
+              1: <jaxmirror.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy=2.0>
+            }
+        """
+        del options
+        return inflight.tracked(self._placement, updates.reduce_to(
+            self._container_strategy_ref, reduce_op, value, destinations))
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """``reduce_to`` for several ``(value, destinations)`` pairs at once.
+
+        Args:
+            reduce_op: a ``ReduceOp`` (or its name), or ``VariableAggregation.SUM``/``MEAN``.
+            value_destination_pairs: a list of ``(value, destinations)`` pairs.
+            options: accepted for TF compatibility.
+
+        Returns:
+            A list with one reduced value per pair.
+
+        Raises:
+            ValueError: when a pair is malformed, and as ``reduce_to``.
+            RuntimeError: in a replica context.
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     v = jaxmirror.Variable(0.0)
+            >>> def step_fn(var):
+            ...     def merge_fn(strategy, value, var):
+            ...         reduced = strategy.extended.batch_reduce_to("sum", [(value, var)])[0]
+            ...         strategy.extended.update(var, lambda var, value: var.assign(value),
+            ...                                  args=(reduced,))
+            ...     jaxmirror.get_replica_context().merge_call(merge_fn, args=(jnp.asarray(1.0), var))
+            >>> _ = s.run(step_fn, args=(v,))
+            >>> float(v.numpy())
+            2.0
+        """
+        del options
+        return inflight.tracked(self._placement, updates.batch_reduce_to(
+            self._container_strategy_ref, reduce_op, value_destination_pairs))
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        """Apply ``fn(component, *args, **kwargs)`` to every component of the variable ``var``.
+
+        Inside ``fn`` assignments to ``var`` (and to variables passed in ``args``) write the
+        component as given, with no aggregation. Mirrored arguments are unwrapped; a
+        ``PerReplica`` argument gives each component its own value. In a replica context (inside
+        ``run``) this goes through ``merge_call``, as in TF. Nothing is written unless ``fn``
+        succeeds on every component.
+
+        Args:
+            var: the variable to update.
+            fn: called as ``fn(var, *args, **kwargs)``; typically ``lambda v, x: v.assign(x)``.
+            args: a tuple or list of extra positional arguments.
+            kwargs: a dict of extra keyword arguments.
+            group: return the merged result (True) or a tuple of per-replica results (False).
+
+        Returns:
+            ``fn``'s result merged across replicas: ``Mirrored`` when it is the same on every
+            replica, ``PerReplica`` otherwise (plain with one replica). Variables in the result
+            are replaced by their values.
+
+        Raises:
+            ValueError: when ``var`` is not a variable of this strategy, or ``args``/``kwargs``
+                are malformed.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     v = jaxmirror.Variable(5.0, aggregation=jaxmirror.VariableAggregation.SUM)
+            >>> def update_fn(v):
+            ...     return v.assign(1.0)
+            >>> s.extended.update(v, update_fn)
+            Mirrored:{
+              0: Array(1., dtype=float32),
+              1: Array(1., dtype=float32)
+            }
+        """
+        return updates.update(self._container_strategy_ref, var, fn, args, kwargs, group)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable):
+        """Create variables on the same devices as ``colocate_with_variable`` (inside ``scope()``).
+
+        Variables of a mirrored strategy all live on every replica's device, so this checks
+        its argument and changes nothing; code written for TF runs unchanged.
+
+        Args:
+            colocate_with_variable: a variable created in this strategy's scope.
+
+        Returns:
+            A context manager.
+
+        Raises:
+            ValueError: when the variable was not created in this strategy's scope.
+            RuntimeError: outside this strategy's scope.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     var1 = jaxmirror.Variable(1.0)
+            ...     with s.extended.colocate_vars_with(var1):
+            ...         var2 = jaxmirror.Variable(2.0)
+            ...         var3 = jaxmirror.Variable(3.0)
+            >>> def fn(v1, v2, v3):
+            ...     return v1.assign(v2 + v3)
+            >>> _ = s.extended.update(var1, fn, args=(var2, var3))
+            >>> float(var1.numpy())
+            5.0
+        """
+        strategy = self._container_strategy_ref
+        entry = context.current()
+        if entry.strategy is not strategy or entry.replica_context is not None:
+            raise RuntimeError("colocate_vars_with may only be used inside this strategy's "
+                               "`scope()` (cross-replica context).")
+        if not self.variable_created_in_scope(colocate_with_variable):
+            raise ValueError(f"colocate_vars_with: `colocate_with_variable` must be a variable "
+                             f"created in this strategy's scope; got {colocate_with_variable!r}.")
+        yield
+
+    def value_container(self, value):
+        """The container ``value`` belongs to: a variable is its own container.
+
+        Args:
+            value: a value returned by ``run``, or a variable created in ``scope()``.
+
+        Returns:
+            The distributed variable or value holding ``value``; ``value`` itself when it
+            belongs to none (arrays from ``run`` are their own containers in jaxmirror).
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with s.scope():
+            ...     v = jaxmirror.Variable(1.0)
+            >>> s.extended.value_container(v) is v
+            True
+        """
+        return value
+
+    def variable_created_in_scope(self, v) -> bool:
+        """Whether the variable ``v`` was created while this strategy's scope was active.
+
+        Args:
+            v: a ``jaxmirror.Variable``.
+
+        Returns:
+            True for variables made inside ``scope()``, False otherwise.
+
+        Raises:
+            ValueError: when ``v`` is not a variable.
+
+        Example:
+            >>> import jaxmirror
+            >>> strategy = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> with strategy.scope():
+            ...     v = jaxmirror.Variable(1.)
+            >>> strategy.extended.variable_created_in_scope(v)
+            True
+            >>> strategy.extended.variable_created_in_scope(jaxmirror.Variable(1.))
+            False
+        """
+        if not isinstance(v, Variable):
+            raise ValueError(f"variable_created_in_scope: `v` must be a jaxmirror Variable; got "
+                             f"{type(v).__name__}.")
+        # A variable made outside every scope is owned by the default strategy.
+        return v.distribute_strategy is self._container_strategy_ref

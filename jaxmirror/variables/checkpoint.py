@@ -1,0 +1,326 @@
+"""``jaxmirror.checkpoint``'s implementation: save, restore, to_saveable, restore_into.
+
+The rules (one cross-replica value per leaf; a restore assigns as a cross-replica ``assign``
+does) are in ``jaxmirror.checkpoint``'s docstring; ``checkpoint_leaves`` handles single leaves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from jaxmirror.core import context
+from jaxmirror.variables import checkpoint_leaves as leaves
+from jaxmirror.variables.variable import Variable, state_of, write_back
+
+# Files an orbax checkpoint directory always has (tree metadata, step metadata).
+_CHECKPOINT_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
+
+
+def _ocp():
+    # Imported on first use so that importing jaxmirror does not pay for orbax.
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+def _check_not_in_run(fn: str) -> None:
+    if context.current().in_run:
+        raise RuntimeError(f"jaxmirror.checkpoint.{fn} was called inside `run`; save and restore "
+                           f"outside the step, where variables are read and assigned across "
+                           f"replicas.")
+
+
+def _as_directory(directory, fn: str) -> str:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"jaxmirror.checkpoint.{fn}: `directory` must be a str or os.PathLike, "
+                        f"got {type(directory).__name__} {directory!r}.")
+    # Orbax writes through tensorstore, which needs absolute paths.
+    return os.path.abspath(os.fspath(directory))
+
+
+def _is_checkpoint(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, m)) for m in _CHECKPOINT_MARKERS)
+
+
+def to_saveable(tree):
+    """``tree`` as orbax can save it: every leaf an array holding its cross-replica value.
+
+    Variables become their cross-replica ``read_value()`` (a mirrored variable's value, a
+    sync-on-read variable's aggregate), ``Mirrored`` wrappers their value, Python and NumPy
+    scalars 0-d NumPy arrays; arrays stay as they are (a replicated ``jax.Array`` is saved once).
+    Hand the result to your own orbax ``Checkpointer`` or ``CheckpointManager``.
+
+    Args:
+        tree: a pytree of variables, ``jax.Array``s, NumPy arrays, numbers and ``Mirrored``
+            values.
+
+    Returns:
+        A pytree of the same structure whose leaves are ``jax.Array``s and NumPy arrays.
+
+    Raises:
+        ValueError: for a ``PerReplica`` leaf (reduce or gather it first), a sync-on-read
+            variable with aggregation NONE (no cross-replica value), or a traced value.
+        TypeError: for a leaf of another type.
+        RuntimeError: when called inside ``run``.
+
+    Example:
+        >>> import jaxmirror
+        >>> from jaxmirror import checkpoint
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> with s.scope():
+        ...     mean = jaxmirror.Variable(0.0, synchronization="on_read", aggregation="mean")
+        >>> def measure():   # replica i holds i
+        ...     mean.assign(jaxmirror.get_replica_context().replica_id_in_sync_group * 1.0)
+        >>> s.run(measure)
+        >>> saveable = checkpoint.to_saveable({"mean": mean, "step": 7})
+        >>> float(saveable["mean"]), saveable["step"].item()
+        (0.5, 7)
+    """
+    _check_not_in_run("to_saveable")
+    return jax.tree_util.tree_map_with_path(leaves.saveable_leaf, tree, is_leaf=leaves.is_leaf)
+
+
+def save(directory, tree, *, force=False):
+    """Save ``tree`` (variables and arrays) as an orbax checkpoint in ``directory``.
+
+    Each leaf is saved as its cross-replica value (see ``to_saveable``), so the checkpoint can be
+    restored with any number of replicas. Returns once the checkpoint is completely written.
+
+    Args:
+        directory: where to write, a str or ``os.PathLike`` (made absolute); it must not exist,
+            be an empty directory, or (with ``force``) hold a checkpoint to replace. Missing
+            parent directories are created.
+        tree: a pytree of variables, ``jax.Array``s, NumPy arrays, numbers and ``Mirrored``
+            values, with at least one leaf.
+        force: replace a checkpoint already in ``directory``. A non-empty directory that does not
+            hold an orbax checkpoint is never replaced, so that ``force`` cannot delete other
+            files.
+
+    Returns:
+        None.
+
+    Raises:
+        FileExistsError: ``directory`` exists (and is not empty) and ``force`` is False, or it is
+            a file or a non-empty directory that holds no checkpoint.
+        ValueError: as ``to_saveable``, or for a tree without leaves.
+        TypeError: for a bad ``directory`` or ``force``, or a leaf of an unsupported type.
+
+    Example:
+        >>> import os, tempfile, jaxmirror
+        >>> from jaxmirror import checkpoint
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> with s.scope():
+        ...     w = jaxmirror.Variable([1.0, 2.0])
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> checkpoint.save(path, {"w": w})
+        >>> checkpoint.save(path, {"w": w}, force=True)   # replace it
+        >>> sorted(os.listdir(path))[:2]
+        ['_CHECKPOINT_METADATA', '_METADATA']
+    """
+    _check_not_in_run("save")
+    path = _as_directory(directory, "save")
+    if not isinstance(force, bool):
+        raise TypeError(f"jaxmirror.checkpoint.save: `force` must be a bool, got "
+                        f"{type(force).__name__} {force!r}.")
+    # Before touching the directory: a tree that cannot be saved must not cost the old checkpoint.
+    saveable = to_saveable(tree)
+    if not jax.tree.leaves(saveable):
+        raise ValueError(f"jaxmirror.checkpoint.save: `tree` has no leaves to save (got {tree!r}).")
+    replace = _check_destination(path, force)
+    ocp = _ocp()
+    # PyTreeCheckpointer saves synchronously: the checkpoint is complete when `save` returns.
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        checkpointer.save(path, args=ocp.args.PyTreeSave(saveable), force=replace)
+
+
+def _check_destination(path: str, force: bool) -> bool:
+    """Whether ``save`` replaces what is at ``path``; raises where it may not write."""
+    if not os.path.lexists(path):
+        return False
+    if not os.path.isdir(path):
+        raise FileExistsError(f"jaxmirror.checkpoint.save: {path!r} exists and is not a "
+                              f"directory. Give a new directory.")
+    if os.listdir(path):
+        if not _is_checkpoint(path):
+            raise FileExistsError(
+                f"jaxmirror.checkpoint.save: directory {path!r} is not empty and holds no "
+                f"orbax checkpoint; not replacing it, even with force=True. Give a new or "
+                f"empty directory.")
+        if not force:
+            raise FileExistsError(
+                f"jaxmirror.checkpoint.save: a checkpoint already exists in {path!r}. Pass "
+                f"force=True to replace it, or give a new directory.")
+    # Orbax refuses any existing destination, an empty one included.
+    return True
+
+
+# -- restoring ------------------------------------------------------------------------------------
+def restore_into(target, saved):
+    """Apply saved values to ``target``: assign its variables, place its arrays like it does.
+
+    Every variable of ``target`` is assigned its saved value in place, as a cross-replica
+    ``assign`` does (a SUM sync-on-read variable of ``N`` replicas gets ``value / N`` per
+    component; a mirrored variable gets the value in every component). Every other leaf is
+    replaced by the saved value, cast to its dtype and placed like it: with its sharding for a
+    ``jax.Array`` (or a ``jax.ShapeDtypeStruct`` that has one), on the host as NumPy for a NumPy
+    array or an abstract leaf without sharding, as a Python number for a number. Leaves are
+    matched by their path (tuples and lists, namedtuples and dicts with the same keys match, as
+    orbax stores them). If an assignment fails, every variable keeps its old value.
+
+    Args:
+        target: a pytree of variables, ``jax.Array``s, ``jax.ShapeDtypeStruct``s, NumPy arrays,
+            numbers and ``Mirrored`` values.
+        saved: a pytree with the same leaves, as orbax restored it (or as ``to_saveable`` made
+            it; variables are read).
+
+    Returns:
+        A pytree with ``target``'s structure: its variables (assigned), new arrays elsewhere.
+
+    Raises:
+        ValueError: for a structure or shape mismatch, a ``PerReplica`` leaf in either tree, or
+            a value a variable's ``assign`` refuses.
+        TypeError: for a leaf of an unsupported type, or a dtype a variable cannot take.
+        RuntimeError: when called inside ``run``.
+
+    Example:
+        >>> import jax, numpy as np, jaxmirror
+        >>> from jaxmirror import checkpoint
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> with s.scope():
+        ...     total = jaxmirror.Variable(0.0, synchronization="on_read", aggregation="sum")
+        >>> bias = jax.device_put(np.zeros(2, np.float32), s.extended.replicated_sharding)
+        >>> out = checkpoint.restore_into({"total": total, "bias": bias},
+        ...                               {"total": np.asarray(6.0), "bias": np.ones(2)})
+        >>> out["total"] is total, [float(c) for c in total.values], float(total.numpy())
+        (True, [3.0, 3.0], 6.0)
+        >>> out["bias"].tolist(), out["bias"].sharding == bias.sharding
+        ([1.0, 1.0], True)
+    """
+    _check_not_in_run("restore_into")
+    target_pairs, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=leaves.is_leaf)
+    for path, leaf in target_pairs:
+        leaves.target_shape_dtype(path, leaf)
+    saved_pairs = jax.tree_util.tree_flatten_with_path(to_saveable(saved),
+                                                       is_leaf=leaves.is_leaf)[0]
+    values = leaves.check_same_structure(target_pairs, saved_pairs, "saved tree")
+    out, writes = [], []
+    for (path, leaf), x in zip(target_pairs, values.values()):
+        leaves.check_shape(path, leaf, np.shape(x))
+        if isinstance(leaf, Variable):
+            writes.append((leaf, x))
+            out.append(leaf)
+        else:
+            out.append(leaves.placed_like(leaf, x))
+    _assign_all_or_nothing(writes)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _assign_all_or_nothing(writes) -> None:
+    """``var.assign(x)`` for each pair; if one fails, every variable gets its old state back."""
+    variables = [var for var, _ in writes]
+    old = {i: state_of(var) for i, var in enumerate(variables)}
+    try:
+        for var, x in writes:
+            var.assign(x)
+    except BaseException:
+        write_back(variables, old)
+        raise
+
+
+def restore(directory, target):
+    """Restore the checkpoint in ``directory`` into ``target``; return the restored tree.
+
+    The checkpoint may have been written with any number of replicas (or none). Variables of
+    ``target`` are assigned in place (see ``restore_into``: a SUM sync-on-read variable of ``N``
+    replicas gets ``value / N`` per component, a mirrored one the value in every component) and
+    returned in the result; arrays are read straight into the target leaf's sharding (a
+    ``jax.Array`` or a ``jax.ShapeDtypeStruct`` with one), into NumPy arrays for NumPy or
+    unsharded abstract leaves, or as Python numbers for numbers. Nothing is assigned if the
+    structure or a shape does not match.
+
+    Args:
+        directory: the checkpoint's directory (what ``save`` was given), a str or
+            ``os.PathLike``.
+        target: a pytree like the saved one, of variables, ``jax.Array``s,
+            ``jax.ShapeDtypeStruct``s, NumPy arrays, numbers and ``Mirrored`` values.
+
+    Returns:
+        A pytree with ``target``'s structure: its variables (assigned), new arrays elsewhere.
+
+    Raises:
+        FileNotFoundError: ``directory`` does not exist.
+        ValueError: ``directory`` holds no orbax checkpoint; or as ``restore_into``.
+        TypeError: for a bad ``directory``; or as ``restore_into``.
+
+    Example:
+        >>> import os, tempfile, jax, numpy as np, jaxmirror
+        >>> from jaxmirror import checkpoint
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> with s.scope():
+        ...     w = jaxmirror.Variable([1.0, 2.0])
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+        >>> checkpoint.save(path, {"w": w, "step": 3})
+        >>> one = jaxmirror.OneDeviceStrategy("CPU:0")
+        >>> with one.scope():
+        ...     w1 = jaxmirror.Variable([0.0, 0.0])
+        >>> out = checkpoint.restore(path, {"w": w1, "step": 0})
+        >>> w1.numpy().tolist(), out["step"]
+        ([1.0, 2.0], 3)
+        >>> checkpoint.restore(path, {"w": np.zeros(2, np.float32), "step": 0})["w"]
+        array([1., 2.], dtype=float32)
+    """
+    _check_not_in_run("restore")
+    path = _as_directory(directory, "restore")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"jaxmirror.checkpoint.restore: no checkpoint at {path!r} (the "
+                                f"directory does not exist).")
+    if not os.path.isdir(path) or not _is_checkpoint(path):
+        raise ValueError(f"jaxmirror.checkpoint.restore: {path!r} is not an orbax checkpoint "
+                         f"directory (no {_CHECKPOINT_MARKERS[0]} file); give the directory "
+                         f"`save` wrote.")
+    target_pairs = jax.tree_util.tree_flatten_with_path(target, is_leaf=leaves.is_leaf)[0]
+    for p, leaf in target_pairs:
+        leaves.target_shape_dtype(p, leaf)
+    ocp = _ocp()
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        metadata = _checked_metadata(checkpointer, path, target_pairs)
+        targets = leaves.by_name(target_pairs)
+        args = jax.tree_util.tree_map_with_path(
+            lambda p, meta: _restore_args(ocp, targets[tuple(map(leaves.key_name, p))][1], meta),
+            metadata)
+        saved = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    return restore_into(target, saved)
+
+
+def _checked_metadata(checkpointer, path: str, target_pairs):
+    """The checkpoint's tree of array metadata, checked against the target's structure and
+    shapes before anything is read (so a mismatch assigns no variable)."""
+    item_metadata = checkpointer.metadata(path).item_metadata
+    if item_metadata is None:
+        raise ValueError(f"jaxmirror.checkpoint.restore: {path!r} holds no pytree checkpoint.")
+    metadata = getattr(item_metadata, "tree", item_metadata)
+    saved_pairs = jax.tree_util.tree_flatten_with_path(metadata)[0]
+    metas = leaves.check_same_structure(target_pairs, saved_pairs, "checkpoint")
+    for (p, leaf), meta in zip(target_pairs, metas.values()):
+        if getattr(meta, "shape", None) is None:  # a string, say
+            raise ValueError(f"Cannot restore into {leaves.where(p)}: the checkpoint holds a "
+                             f"{type(meta).__name__} there, not an array.")
+        leaves.check_shape(p, leaf, meta.shape)
+    return metadata
+
+
+def _restore_args(ocp, leaf, meta):
+    """How orbax reads one saved array for the target ``leaf``."""
+    _, dtype = leaves.target_shape_dtype((), leaf)
+    sharding = leaves.sharding_of(leaf)
+    if sharding is not None and isinstance(meta, ocp.metadata.ArrayMetadata):
+        # Read straight into the target's placement, whatever the writer's devices were.
+        return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(meta.shape),
+                                    dtype=dtype)
+    return ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
+
+
+__all__ = ["restore", "restore_into", "save", "to_saveable"]

@@ -1,0 +1,159 @@
+"""One leaf of a checkpoint: how a tree's leaves are matched, saved and restored.
+
+A checkpoint holds one array per leaf (a variable's cross-replica value). Trees are matched by
+the names along each leaf's path, as orbax stores them (tuples become lists, namedtuples and
+dataclasses dicts), so a restored tree need only have the saved one's names.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from jaxmirror.core import _compat
+from jaxmirror.core.values import DistributedValues, Mirrored
+from jaxmirror.variables.variable import Variable
+
+SCALARS = (bool, int, float, complex)
+
+
+def is_leaf(x) -> bool:
+    """A checkpoint's leaves: variables, and distributed values (one value each, not their
+    stacked or inner arrays)."""
+    return isinstance(x, (Variable, DistributedValues))
+
+
+def where(path) -> str:
+    """A leaf's path as errors name it: ``tree['w'][0]``."""
+    return "tree" + jax.tree_util.keystr(path)
+
+
+def key_name(key) -> str:
+    """One path key as a name (orbax stores tuples as lists and namedtuples and dataclasses as
+    dicts; keys are compared by name)."""
+    if isinstance(key, DictKey):
+        return str(key.key)
+    if isinstance(key, SequenceKey):
+        return str(key.idx)
+    if isinstance(key, GetAttrKey):
+        return key.name
+    if isinstance(key, FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def by_name(pairs) -> dict:
+    """``{names along the path: (path, leaf)}`` of flattened ``(path, leaf)`` pairs; two leaves
+    with the same names raise ``ValueError``."""
+    named = {}
+    for path, leaf in pairs:
+        name = tuple(key_name(k) for k in path)
+        if name in named:
+            raise ValueError(f"{where(named[name][0])} and {where(path)} have the same name in a "
+                             f"checkpoint; give them distinct keys.")
+        named[name] = (path, leaf)
+    return named
+
+
+def check_same_structure(target_pairs, saved_pairs, what: str) -> dict:
+    """The saved leaves by target path; raises unless both trees have the same leaves."""
+    saved = by_name(saved_pairs)
+    target = by_name(target_pairs)
+    missing = [where(target[k][0]) for k in target if k not in saved]
+    extra = [where(saved[k][0]) for k in saved if k not in target]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"in target but not in {what}: {', '.join(missing[:5])}"
+                         + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        if extra:
+            parts.append(f"in {what} but not in target: {', '.join(extra[:5])}"
+                         + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+        raise ValueError(f"The target's structure does not match the {what}'s "
+                         f"({'; '.join(parts)}). Restore into a tree shaped like the one saved.")
+    return {k: saved[k][1] for k in target}
+
+
+def saveable_leaf(path, x):
+    """The array saved for the leaf ``x`` at ``path``: its cross-replica value."""
+    if isinstance(x, Variable):
+        try:
+            x = x.read_value()
+        except ValueError as e:  # a sync-on-read variable with aggregation NONE
+            raise ValueError(f"Cannot save {where(path)}: {e}") from e
+    elif isinstance(x, Mirrored):
+        x = x.value
+    elif isinstance(x, DistributedValues):
+        raise ValueError(
+            f"Cannot save {where(path)}: it is a {type(x).__name__} value, whose replicas hold "
+            f"different values, and a checkpoint holds one value per leaf. Reduce it "
+            f"(strategy.reduce) or gather it (strategy.gather) first."
+        )
+    if _compat.is_tracer(x):
+        raise ValueError(f"Cannot save {where(path)}: it is a traced value. Save outside jax.jit, "
+                         f"jax.grad and `run`, from the arrays they return.")
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return x
+    if isinstance(x, (np.generic,) + SCALARS):
+        return np.asarray(x)
+    raise TypeError(f"Cannot save {where(path)}: got a {type(x).__name__}; expected a jaxmirror "
+                    f"Variable, a jax.Array, a NumPy array or a Python number.")
+
+
+def target_shape_dtype(path, leaf):
+    """(shape, dtype) a target leaf takes; dtype None: keep the saved one. Raises for bad leaves."""
+    if isinstance(leaf, Variable):
+        return tuple(leaf.shape), None  # `assign` applies the variable's own dtype rules
+    if isinstance(leaf, Mirrored):
+        return target_shape_dtype(path, leaf.value)
+    if isinstance(leaf, DistributedValues):
+        raise ValueError(
+            f"Cannot restore into {where(path)}: it is a {type(leaf).__name__} value, and a "
+            f"checkpoint holds one value per leaf. Restore into a variable made in the strategy's "
+            f"scope, or into an array (jax.device_put(x, strategy.extended.replicated_sharding)).")
+    if _compat.is_tracer(leaf):
+        raise ValueError(f"Cannot restore into {where(path)}: it is a traced value. Restore "
+                         f"outside jax.jit, jax.grad and `run`.")
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+        return tuple(leaf.shape), np.dtype(leaf.dtype)
+    if isinstance(leaf, SCALARS):
+        return (), None
+    raise TypeError(f"Cannot restore into {where(path)}: got a {type(leaf).__name__}; expected a "
+                    f"jaxmirror Variable, a jax.Array, a jax.ShapeDtypeStruct, a NumPy array or a "
+                    f"Python number.")
+
+
+def check_shape(path, leaf, saved_shape) -> None:
+    """Raise ``ValueError`` unless the target ``leaf`` takes a value of ``saved_shape``."""
+    shape, _ = target_shape_dtype(path, leaf)
+    if tuple(saved_shape) != shape:
+        raise ValueError(f"Cannot restore into {where(path)}: the saved value has shape "
+                         f"{tuple(saved_shape)}, the target has shape {shape}.")
+
+
+def sharding_of(leaf):
+    """Where a target leaf's values live: its sharding, or ``None`` (host values)."""
+    if isinstance(leaf, Mirrored):
+        return sharding_of(leaf.value)
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        return leaf.sharding
+    return None
+
+
+def placed_like(leaf, x):
+    """The saved value ``x`` as the (non-variable) target ``leaf`` holds values."""
+    if isinstance(leaf, Mirrored):
+        # Rebuilt through its pytree structure, which carries the wrapper's replica count.
+        return jax.tree.unflatten(jax.tree.structure(leaf), [placed_like(leaf.value, x)])
+    if isinstance(leaf, SCALARS):
+        return type(leaf)(np.asarray(x).item())
+    dtype = np.dtype(leaf.dtype)
+    sharding = sharding_of(leaf)
+    if sharding is None:  # a NumPy target, or an abstract one with no placement: on the host
+        out = np.asarray(x, dtype=dtype)
+        return out[()] if isinstance(leaf, np.generic) else out
+    x = x if isinstance(x, jax.Array) else np.asarray(x)
+    if x.dtype != dtype:
+        x = x.astype(dtype)
+    return jax.device_put(x, sharding)

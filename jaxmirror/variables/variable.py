@@ -1,0 +1,490 @@
+"""``Variable``: a stateful box around one ``jax.Array`` (``tf.Variable``); it owns its state.
+
+A plain variable's array lives on one device; inside a strategy's scope ``Variable(...)`` makes a
+``MirroredVariable`` or ``SyncOnReadVariable`` (``distributed.py``). Where a read or a write
+happens decides what it does:
+
+* inside ``run``'s step, in replica context: ``core.binding`` gives the variable a traced value;
+  writes follow the replica rules (``_replica_write``);
+* inside a ``merge_call``'s ``merge_fn`` (cross-replica context in the step): ``_traced_cross_*``;
+* outside ``run``: ``_eager_*``, on the stored array;
+* inside ``extended.update``'s function: components are read and written as they are.
+
+A variable's state (one array, or a ``PerReplica`` of components) is private to this module:
+other modules read it with ``state_of`` and write it only with ``write_back``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmirror.core import _compat, binding, context
+from jaxmirror.core.reduce_op import (
+    VariableAggregation,
+    VariableSynchronization,
+    as_aggregation,
+    as_synchronization,
+)
+from jaxmirror.core.stateful import Stateful
+from jaxmirror.core.values import PerReplica
+from jaxmirror.variables.assignment import combine, convert, host_value, owned_copy
+from jaxmirror.variables.operators import ArrayOperators
+
+Agg = VariableAggregation
+Sync = VariableSynchronization
+# What ``Variable(...)`` makes in a strategy's scope, by synchronization (ON_WRITE, ON_READ).
+# The distributed classes register themselves when they are defined (``__init_subclass__``):
+# they subclass Variable, so this module cannot import them.
+_DISTRIBUTED_CLASSES: dict = {}
+
+
+class Variable(ArrayOperators, Stateful):
+    """A variable: one array you can read and assign (``tf.Variable``).
+
+    Created inside a strategy's ``scope()`` it becomes a distributed variable: a
+    ``MirroredVariable`` (``synchronization`` AUTO or ON_WRITE) or a ``SyncOnReadVariable``
+    (ON_READ) of that strategy, with every component starting from the initial value. Outside
+    any scope it is a plain variable on JAX's default device.
+
+    Variables work inside ``strategy.run`` whether passed as arguments or captured by closure:
+    the step reads their values and its assignments are written back after the call, all or
+    nothing. Inside the step, assignments follow ``aggregation`` (SUM, MEAN, ONLY_FIRST_REPLICA
+    combine the replicas' values and write the result to every component; NONE lets each replica
+    write its own). Operators (``v + 1``, ``v @ w``, ``v[0]``) act on the value, and so do
+    ``jnp.asarray(v)`` and ``np.asarray(v)``; pass ``v.value()`` to other ``jnp`` functions.
+    Variables are not pytrees: ``jax.tree`` treats them as leaves (see ``read_values`` /
+    ``assign_values`` for pytrees of them). Inside a step, read variables anywhere, but assign
+    them in the step itself, not inside a nested ``jax.jit``, ``jax.grad`` or ``lax`` control
+    flow body (compute the value there and assign it after); a step that uses variables cannot
+    itself be called inside ``jax.jit``.
+
+    Args:
+        initial_value: an array, a Python number, or a callable returning one.
+        trainable: whether gradient-based training should update it; ``None`` means True,
+            except for ON_READ variables (which must not be trainable).
+        synchronization: a ``VariableSynchronization`` or its name.
+        aggregation: a ``VariableAggregation`` or its name.
+        dtype: the dtype; by default the initial value's.
+        name: the variable's name (default ``"Variable"``).
+
+    Raises:
+        ValueError: for a missing initial value, an unknown synchronization or aggregation,
+            ``trainable=True`` with ON_READ, or ``synchronization=NONE`` inside a scope.
+        RuntimeError: when created inside ``run`` (create variables before the step).
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> with s.scope():
+        ...     v = jaxmirror.Variable(1.0, aggregation="sum")
+        >>> type(v).__name__
+        'MirroredVariable'
+        >>> @s.function
+        ... def step():
+        ...     v.assign_add(jaxmirror.get_replica_context().replica_id_in_sync_group + 1.0)
+        >>> step()
+        >>> float(v.numpy())
+        4.0
+    """
+
+    def __init_subclass__(cls, synchronization=None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if synchronization is not None:
+            _DISTRIBUTED_CLASSES[synchronization] = cls
+
+    def __new__(cls, initial_value=None, trainable=None, synchronization=Sync.AUTO,
+                aggregation=Agg.NONE, dtype=None, name=None):
+        if cls is not Variable:
+            if initial_value is None:  # copy and pickle make the object first, then fill it
+                return object.__new__(cls)
+            raise TypeError(f"Create variables with jaxmirror.Variable(...): inside a strategy's "
+                            f"scope it is a {cls.__name__} when the synchronization says so.")
+        sync = as_synchronization(synchronization)
+        entry = context.current()
+        strategy = entry.strategy if entry.strategy is not context.default_strategy() else None
+        if strategy is None or not strategy.extended.placement.distributed_variables:
+            return object.__new__(Variable)
+        kind = Sync.ON_READ if sync is Sync.ON_READ else Sync.ON_WRITE
+        return object.__new__(_DISTRIBUTED_CLASSES[kind])
+
+    def __init__(self, initial_value=None, trainable=None, synchronization=Sync.AUTO,
+                 aggregation=Agg.NONE, dtype=None, name=None):
+        sync = as_synchronization(synchronization)
+        agg = as_aggregation(aggregation)
+        name = "Variable" if name is None else str(name)
+        if trainable is None:
+            trainable = sync is not Sync.ON_READ
+        elif trainable and sync is Sync.ON_READ:
+            raise ValueError(
+                "Synchronization value can be set to VariableSynchronization.ON_READ only for "
+                f"non-trainable variables. You have specified trainable=True and "
+                f"synchronization=VariableSynchronization.ON_READ (variable {name!r})."
+            )
+        entry = context.current()
+        if entry.in_run:
+            raise RuntimeError(
+                f"jaxmirror.Variable {name!r} was created inside `run`. Create variables before "
+                f"the step (inside `strategy.scope()`) and use them in it by argument or closure."
+            )
+        strategy = entry.strategy if entry.strategy is not context.default_strategy() else None
+        if strategy is not None and sync is Sync.NONE:
+            raise ValueError(
+                f"`NONE` variable synchronization mode is not supported with {type(strategy).__name__}. "
+                f"Please change the `synchronization` for variable: {name}"
+            )
+        if initial_value is None:
+            raise ValueError(f"initial_value must be specified (variable {name!r}).")
+        if callable(initial_value) and not isinstance(initial_value, (jax.Array, Variable)):
+            initial_value = initial_value()
+        value = host_value(initial_value)
+        if _compat.is_tracer(value):
+            raise ValueError(f"initial_value of variable {name!r} is a traced value; create "
+                             f"variables outside jax.jit and `run`.")
+        value = jnp.asarray(value)
+        # An explicit dtype: not weak. A copy: the variable owns its buffer (TF copies too), so
+        # donating the initial array elsewhere cannot delete the variable's value.
+        value = jnp.array(value, dtype=dtype or value.dtype, copy=True)
+        self._strategy = strategy
+        self._synchronization = sync
+        self._aggregation = agg
+        self._trainable = bool(trainable)
+        self._name = name
+        self._shape = tuple(value.shape)
+        self._dtype = value.dtype
+        self._state = self._placed(value)
+
+    # -- properties -----------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The variable's name."""
+        return self._name
+
+    @property
+    def shape(self) -> tuple:
+        """The shape of the value (of each component)."""
+        return self._shape
+
+    @property
+    def dtype(self):
+        """The dtype of the value."""
+        return self._dtype
+
+    @property
+    def trainable(self) -> bool:
+        """Whether training should update this variable."""
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        """When the components are kept in step (ON_WRITE/AUTO, ON_READ, NONE)."""
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        """How replica-context assignments are combined."""
+        return self._aggregation
+
+    @property
+    def distribute_strategy(self):
+        """The strategy whose scope made this variable (the default strategy for a plain one)."""
+        return self._strategy or context.default_strategy()
+
+    # -- what compiled steps need (core.stateful.Stateful) -----------------------------------
+    @property
+    def stored_per_replica(self) -> bool:
+        """Whether the state holds one component per replica (a replica-stacked array)."""
+        return isinstance(self._state, PerReplica)
+
+    def check_usable_in(self, strategy) -> None:
+        """Raise ``ValueError`` unless a step of ``strategy`` may use this variable.
+
+        Args:
+            strategy: the strategy whose step met the variable.
+        """
+        if self._strategy is not None and self._strategy is not strategy:
+            raise ValueError(
+                f"Variable {self._name!r} was created in the scope of another strategy object "
+                f"({self._strategy!r} at {id(self._strategy):#x}); {strategy!r} at "
+                f"{id(strategy):#x} cannot use it. Create it inside `strategy.scope()` of the "
+                f"strategy that uses it."
+            )
+
+    def distributed_view(self):
+        """This variable as ``reduce``/``gather``/local results see it: its value.
+
+        Returns:
+            ``read_value()`` (distributed variables give a distributed value instead).
+        """
+        return self.read_value()
+
+    # -- what the rules need ---------------------------------------------------------------------
+    @property
+    def _num_replicas(self) -> int:
+        return self._strategy.num_replicas_in_sync if self._strategy is not None else 1
+
+    @property
+    def _placement(self):
+        return self._strategy.extended.placement
+
+    @property
+    def _on_read(self) -> bool:
+        return False
+
+    def _placed(self, value):
+        """The state holding ``value`` in every component, placed as this variable's is."""
+        if self._strategy is None:
+            return jnp.asarray(value)
+        placement = self._placement
+        if self._on_read and placement.num_replicas > 1:
+            return placement.stack_copies(value)
+        return placement.replicate(value)
+
+    def _slot(self):
+        frame = binding.current()
+        return None if frame is None else frame.lookup(self)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read_value(self):
+        """The variable's value, as the current context sees it.
+
+        In a replica context inside ``run``: this replica's component. In cross-replica
+        context: a mirrored variable's value (component 0) or a sync-on-read variable's
+        aggregate (SUM or MEAN of the components, or component 0 for ONLY_FIRST_REPLICA).
+
+        Returns:
+            A ``jax.Array`` (replicated over the devices for a distributed variable).
+
+        Raises:
+            ValueError: reading a sync-on-read variable with aggregation NONE in cross-replica
+                context.
+
+        Example:
+            >>> import jaxmirror
+            >>> jaxmirror.Variable([1.0, 2.0]).read_value().tolist()
+            [1.0, 2.0]
+        """
+        slot = self._slot()
+        if slot is None:
+            return self._eager_read()
+        if slot.updating or context.current().replica_context is not None:
+            return slot.value
+        return self._traced_cross_read(slot)
+
+    def value(self):
+        """The variable's value; the same as ``read_value()``.
+
+        Returns:
+            A ``jax.Array``.
+
+        Example:
+            >>> import jaxmirror
+            >>> float(jaxmirror.Variable(3.0).value())
+            3.0
+        """
+        return self.read_value()
+
+    def numpy(self):
+        """The value as a NumPy array (cross-replica context).
+
+        Returns:
+            A ``numpy.ndarray``.
+
+        Example:
+            >>> import jaxmirror
+            >>> jaxmirror.Variable([1, 2]).numpy()
+            array([1, 2], dtype=int32)
+        """
+        return np.asarray(self.read_value())
+
+    def _eager_read(self):
+        return self._state
+
+    def _traced_cross_read(self, slot):
+        return slot.value
+
+    # -- writes ---------------------------------------------------------------------------------
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        """Set the variable to ``value`` (by the aggregation rules in a replica context).
+
+        Args:
+            value: the new value: same shape; a dtype castable to the variable's.
+            use_locking: ignored (TF compatibility).
+            name: ignored (TF compatibility).
+            read_value: return the variable when True, ``None`` otherwise.
+
+        Returns:
+            The variable, or ``None``.
+
+        Raises:
+            ValueError: for a shape mismatch, a Python constant assigned with SUM aggregation in
+                a replica context, or a per-replica value in cross-replica context.
+
+        Example:
+            >>> import jaxmirror
+            >>> v = jaxmirror.Variable(1.0)
+            >>> float(v.assign(5.0).numpy())
+            5.0
+        """
+        return self._write("assign", value, read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        """Add ``delta`` to the variable (``old + aggregate(delta)`` in a replica context).
+
+        Args:
+            delta: the amount to add.
+            use_locking: ignored (TF compatibility).
+            name: ignored (TF compatibility).
+            read_value: return the variable when True, ``None`` otherwise.
+
+        Returns:
+            The variable, or ``None``.
+
+        Raises:
+            ValueError: as ``assign``; also for a SUM sync-on-read variable in cross-replica
+                context.
+
+        Example:
+            >>> import jaxmirror
+            >>> v = jaxmirror.Variable(1.0)
+            >>> float(v.assign_add(2.0).numpy())
+            3.0
+        """
+        return self._write("assign_add", delta, read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        """Subtract ``delta`` from the variable (``old - aggregate(delta)`` in a replica context).
+
+        Args:
+            delta: the amount to subtract.
+            use_locking: ignored (TF compatibility).
+            name: ignored (TF compatibility).
+            read_value: return the variable when True, ``None`` otherwise.
+
+        Returns:
+            The variable, or ``None``.
+
+        Raises:
+            ValueError: as ``assign_add``.
+
+        Example:
+            >>> import jaxmirror
+            >>> v = jaxmirror.Variable(1.0)
+            >>> float(v.assign_sub(0.25).numpy())
+            0.75
+        """
+        return self._write("assign_sub", delta, read_value)
+
+    def _write(self, method: str, value, read_value: bool):
+        slot = self._slot()
+        if slot is not None and _compat.current_trace() is not binding.current().trace:
+            raise ValueError(
+                f"Variable {self._name!r}: `{method}` inside a nested JAX transformation "
+                f"(jax.jit, jax.grad, lax.scan/fori_loop/cond, ... within the step, or around an "
+                f"update) is not supported: its traced value would escape. Compute the new value "
+                f"there, return it, and assign it in the step itself."
+            )
+        if slot is None:
+            if _compat.is_tracer(value) or (isinstance(value, Variable) and value._slot()):
+                raise ValueError(
+                    f"Variable {self._name!r}: `{method}` got a traced value outside `run`. "
+                    f"Variables are updated by `strategy.run` steps or eagerly; inside your own "
+                    f"jax.jit/grad/scan, work on arrays and return them."
+                )
+            self._state = self._eager_write(method, value)
+        elif slot.updating:
+            new = combine(method, slot.value, convert(self, value, method))
+            slot.write(new, slot.mirrored and slot.update_mirrored)
+        elif context.current().replica_context is not None:
+            self._replica_write(slot, method, value)
+        else:
+            self._traced_cross_write(slot, method, value)
+        return self if read_value else None
+
+    def _eager_write(self, method: str, value):
+        new = combine(method, self._state, owned_copy(convert(self, value, method)))
+        if self._strategy is None:
+            return jnp.asarray(new)
+        return self._placement.replicate(new)
+
+    def _check_writable(self, frame, method: str) -> None:
+        if self._strategy is None and frame.num_replicas > 1:
+            raise ValueError(
+                f"Variable {self._name!r} was created outside any strategy's scope: a step of "
+                f"{frame.strategy!r} can read it but not `{method}` it. Create it inside "
+                f"`strategy.scope()`."
+            )
+
+    def _replica_write(self, slot, method: str, value):
+        frame = binding.current()
+        self._check_writable(frame, method)
+        slot.write(combine(method, slot.value, convert(self, value, method)),
+                   frame.num_replicas == 1)
+
+    def _traced_cross_write(self, slot, method: str, value):
+        self._check_writable(binding.current(), method)
+        slot.write(combine(method, slot.value, convert(self, value, method)),
+                   slot.mirrored or method == "assign")
+
+    def _components_repr(self) -> list[str]:
+        try:
+            comps = [np.asarray(c) for c in self._components()]
+        except Exception:  # traced, or not addressable from this process
+            comps = [None] * self._num_replicas
+        names = [f"{self._name}:0"] + [f"{self._name}/replica_{i}:0" for i in range(1, len(comps))]
+        # As TF prints them: numpy=2.0 for a scalar, numpy=array([...], dtype=...) otherwise.
+        text = [repr(c.item()) if c is not None and c.ndim == 0 else repr(c) for c in comps]
+        return [f"<jaxmirror.Variable '{n}' shape={self._shape} dtype={self._dtype}, numpy={t}>"
+                for n, t in zip(names, text)]
+
+    def _components(self) -> tuple:
+        return (self._state,)
+
+    def __repr__(self) -> str:
+        return self._components_repr()[0]
+
+
+# -- the interface to a variable's state, for the rest of jaxmirror ------------------------------
+# ``state_of(var)``: the array (or ``PerReplica``) a compiled step takes as ``var``'s input. An
+# attrgetter: it is on the hot path of steps that use variables.
+state_of = operator.attrgetter("_state")
+
+
+def write_back(variables, states: dict) -> None:
+    """Store new states into variables: the one way other modules write a variable's state.
+
+    Args:
+        variables: a sequence of variables.
+        states: ``{index into variables: new state}``; each state placed as ``state_of`` of that
+            variable would be (what a compiled step returns for it, or ``state_from_components``).
+
+    Returns:
+        None.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmirror
+        >>> v = jaxmirror.Variable(1.0)
+        >>> write_back([v], {0: jnp.float32(2.0)})
+        >>> float(v.numpy())
+        2.0
+    """
+    for i, state in states.items():
+        variables[i]._state = state
+
+
+def state_from_components(var, values: list):
+    """The state ``var`` holds when its components are ``values``.
+
+    Args:
+        var: the variable.
+        values: one value for every component, or one value per replica, in replica order.
+
+    Returns:
+        The new state, placed like ``var``'s (copied where the caller may still hold it).
+    """
+    if len(values) > 1:
+        return var._placement.stack_components([np.asarray(x) for x in values])
+    return var._placed(owned_copy(values[0]))
