@@ -1,10 +1,11 @@
 """Variables bound to a trace: the traced stand-ins that ``run`` and ``update`` give them.
 
-The protocol variables (``core.stateful.Stateful``) and steps share. A variable is a stateful box, but a compiled step is a pure function. While ``run`` traces the
-step function it pushes a ``Frame`` that binds every variable the step touches to a ``Slot``:
-reads return the slot's (traced, per-replica) value, assignments replace it. After the trace the
-written slots become extra outputs of the same program, and ``run`` stores them back into the
-variables once the call has succeeded, so a step that fails changes nothing.
+What variables (``core.stateful.Stateful``) and compiled steps share. A variable is a stateful
+box, but a compiled step is a pure function. While ``run`` traces the step function it pushes a
+``Frame`` that binds every variable the step touches to a ``Slot``: reads return the slot's
+(traced, per-replica) value, assignments replace it. After the trace the written slots become
+extra outputs of the same program, and ``run`` stores them back into the variables once the call
+has succeeded, so a step that fails changes nothing.
 
 A variable the step reaches by closure is not an input of the program being traced. The frame
 then *discovers* it: it hands out a placeholder so tracing can go on, and the program is traced
@@ -70,6 +71,8 @@ class Frame:
         axis_name: the replica axis inside the program, ``None`` for an eager update.
         discover: whether a variable met for the first time becomes a discovered input (``run``)
             or is left to its eager behaviour (``update``).
+        adopt: for an eager ``update``: ``adopt(var)`` gives the value a variable first met
+            inside ``fn`` starts from (its component); ``None`` otherwise.
     """
 
     def __init__(self, strategy, axis_name, discover: bool, adopt=None):

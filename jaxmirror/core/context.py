@@ -55,8 +55,8 @@ def _bottom() -> Entry:
     try:
         make = _default["make"]
     except KeyError:
-        raise RuntimeError("jaxmirror.core.context: no default strategy is registered; import "
-                           "jaxmirror (its strategies register it) before using contexts.") from None
+        raise RuntimeError("jaxmirror: no default strategy is registered; import jaxmirror "
+                           "(its strategies register it) before using contexts.") from None
     return _default.setdefault("entry", Entry(*make()))
 
 
@@ -227,7 +227,7 @@ def experimental_set_strategy(strategy) -> None:
     stack = _stack()
     old = _local.global_scope
     if len(stack) != (1 if old is None else 2):
-        raise RuntimeError("Must not be called inside a jaxmirror Strategy scope.")
+        raise RuntimeError("Must not be called inside a jaxmirror Strategy scope.")  # TF's wording
     if old is not None:
         old.__exit__(None, None, None)
         _local.global_scope = None

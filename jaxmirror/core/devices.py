@@ -42,32 +42,35 @@ def tf_name(device) -> str:
     return f"/job:localhost/replica:0/task:{device.process_index}/device:{kind}:{index}"
 
 
-def resolve(spec, arg_name: str):
-    """The ``jax.Device`` that ``spec`` names; ValueError naming ``arg_name`` otherwise."""
+def resolve(spec, api: str, arg_name: str):
+    """The ``jax.Device`` that ``spec`` names; ValueError naming ``api`` and ``arg_name`` otherwise."""
     if isinstance(spec, jax.Device):
         return spec
     match = _DEVICE_RE.match(spec.strip()) if isinstance(spec, str) else None
     if match is None:
-        raise ValueError(f"`{arg_name}`: {spec!r} is not a device; expected {_EXPECTED}.")
+        raise ValueError(f"{api}: `{arg_name}` {spec!r} is not a device; give {_EXPECTED}.")
     kind = match["kind"].upper()
     task = int(match["task"]) if match["task"] is not None else jax.process_index()
     index = int(match["index"] or 0)
     candidates = _platform_devices(kind, task)
     if index >= len(candidates):
         have = ", ".join(f"{kind}:{i}" for i in range(len(candidates))) or f"no {kind} devices"
-        raise ValueError(f"`{arg_name}`: {spec!r} names no device of task {task}; it has {have}.")
+        raise ValueError(f"{api}: `{arg_name}` {spec!r} names no device of task {task}; name "
+                         f"one it has: {have}.")
     return candidates[index]
 
 
-def resolve_all(specs, arg_name: str) -> list:
+def resolve_all(specs, api: str, arg_name: str) -> list:
     """Resolve a sequence of device specs; duplicates and an empty sequence raise ValueError."""
     if isinstance(specs, (str, jax.Device)):
         specs = [specs]
     specs = list(specs)
     if not specs:
-        raise ValueError(f"`{arg_name}` must name at least one device; got {specs!r}.")
-    devices = [resolve(s, arg_name) for s in specs]
+        raise ValueError(f"{api}: `{arg_name}` names no device; name at least one, or pass None "
+                         f"for every local device.")
+    devices = [resolve(s, api, arg_name) for s in specs]
     if len(set(devices)) != len(devices):
+        # TF's wording, on purpose.
         raise ValueError(f"No duplicates allowed in `{arg_name}` argument: {specs!r}.")
     return devices
 

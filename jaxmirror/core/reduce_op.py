@@ -87,6 +87,7 @@ def as_aggregation(value, name: str = "aggregation") -> VariableAggregation:
     try:
         return value if isinstance(value, VariableAggregation) else VariableAggregation(value)
     except ValueError:
+        # TF's wording, on purpose (and for synchronization below), with what is accepted.
         raise ValueError(f"Invalid variable aggregation mode: {value!r} for `{name}`; expected one "
                          f"of {[m.name for m in VariableAggregation]}.") from None
 
@@ -109,6 +110,7 @@ def reduce_op_of(op) -> ReduceOp:
             return ReduceOp.SUM
         if op is VariableAggregation.MEAN:
             return ReduceOp.MEAN
+        # TF's wording, on purpose.
         raise ValueError(f"Could not convert from `VariableAggregation` {op} to `ReduceOp` type; "
                          f"only SUM and MEAN reduce across replicas.")
     return as_reduce_op(op)

@@ -234,9 +234,9 @@ def _unflatten_per_replica(padded, children):
     if dtype is not None and not _compat.is_tracer(counts) and dtype != np.int32:
         # jax.tree.map over a batch reaches its row counts too; refuse a mapped copy of them.
         raise ValueError(
-            f"A padded PerReplica's row counts must stay int32; a jax.tree.map over a batch from "
-            f"a distributed dataset turned them into {dtype}. Map over `value.stacked` instead, "
-            f"or transform the batch inside the step."
+            f"PerReplica: a padded batch's row counts must stay int32, but a jax.tree.map over "
+            f"a batch from a distributed dataset turned them into {dtype}; map over "
+            f"`value.stacked` instead, or transform the batch inside the step."
         )
     return PerReplica(children[0], counts)
 

@@ -225,8 +225,8 @@ def explain_element(element, position: int, what: str):
     """
     with_paths, tree = jax.tree_util.tree_flatten_with_path(element)
     if not with_paths:
-        raise ValueError(f"{what}: element {position} of the dataset has no arrays; got "
-                         f"{element!r}.")
+        raise ValueError(f"{what}: element {position} of the dataset has no arrays (got "
+                         f"{element!r}); give nests of arrays batched along axis 0.")
     leaves, sizes = [], {}
     for path, leaf in with_paths:
         where = jax.tree_util.keystr(path) or "(the whole element)"
@@ -257,7 +257,8 @@ def explain_element(element, position: int, what: str):
                          f"number of rows.")
     (rows,) = sizes
     if rows == 0:
-        raise ValueError(f"{what}: element {position} has 0 rows; a batch needs at least one.")
+        raise ValueError(f"{what}: element {position} has 0 rows; leave empty batches out of the "
+                         f"dataset.")
     return leaves, tree, rows
 
 

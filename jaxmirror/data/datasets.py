@@ -29,8 +29,9 @@ def _topology(strategy) -> batching.Topology:
     me = jax.process_index()
     local = [i for i, d in enumerate(ext.devices) if d.process_index == me]
     if local != list(range(local[0], local[-1] + 1)):
-        raise ValueError(f"distributing a dataset needs each worker's replicas to be contiguous "
-                         f"in replica order; this worker has replicas {local}.")
+        raise ValueError(f"distributing a dataset over {strategy!r}: this worker's replicas "
+                         f"{local} are not contiguous in replica order; list each worker's "
+                         f"devices together.")
     return batching.Topology(ext.placement.num_replicas, jax.process_count(), me,
                              range(local[0], local[-1] + 1))
 
@@ -157,7 +158,8 @@ class DistributedDataset:
         if self._first is None:
             self._peek()
             if self._first is None:
-                raise ValueError(f"{self._what}: the dataset is empty, so it has no element_spec.")
+                raise ValueError(f"{self._what}: the dataset is empty, so it has no element_spec; "
+                                 f"give a dataset with at least one batch.")
         tree, specs = self._first
         rows = self._rows
         if self._topology.num_replicas > 1:
@@ -210,13 +212,14 @@ class GlobalBatchDataset(DistributedDataset):
         super().__init__(strategy, options)
         what = self._what
         if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            # TF's wording, on purpose.
             raise ValueError("InputReplicationMode.PER_REPLICA is only supported in "
                              "`distribute_datasets_from_function`.")
         policy = self._options.auto_shard_policy
         if policy is AutoShardPolicy.FILE and self._topology.num_workers > 1:
             raise ValueError(
                 f"{what}: AutoShardPolicy.FILE needs a file-based dataset, and jaxmirror is "
-                f"given batches, not files. Use AutoShardPolicy.DATA (or AUTO), or shard by file "
+                f"given batches, not files; use AutoShardPolicy.DATA (or AUTO), or shard by file "
                 f"yourself in `distribute_datasets_from_function`."
             )
         self._off = policy is AutoShardPolicy.OFF

@@ -28,7 +28,7 @@ class _Optional:
         """The value; raises ``ValueError`` when there is none (the iterator had ended)."""
         if not self._has_value:
             raise ValueError("get_value: this Optional has no value (the distributed iterator "
-                             "had reached the end of the dataset).")
+                             "had reached the end of the dataset); check has_value() first.")
         return self._value
 
     def __repr__(self) -> str:
@@ -65,8 +65,8 @@ class DistributedIterator:
 
     def __next__(self):
         if context.current().in_run:
-            raise ValueError("next() of a distributed iterator was called inside `run`; fetch the "
-                             "batch outside and pass it to `run` as an argument.")
+            raise ValueError("DistributedIterator.next: called inside `run`; fetch the batch "
+                             "outside and pass it to `run` as an argument.")
         return next(self._prefetcher)
 
     def get_next(self):

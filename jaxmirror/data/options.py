@@ -115,7 +115,7 @@ class InputOptions:
             raise ValueError(f"InputOptions: `auto_shard_policy` must be an AutoShardPolicy; got "
                              f"{self.auto_shard_policy!r}.")
         if self.experimental_place_dataset_on_device:
-            if mode is InputReplicationMode.PER_WORKER:
+            if mode is InputReplicationMode.PER_WORKER:  # TF's wording, on purpose (3 errors)
                 raise ValueError("When `experimental_place_dataset_on_device` is set for dataset "
                                  "placement, you must also specify `PER_REPLICA` for the "
                                  "replication mode")

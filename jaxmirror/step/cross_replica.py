@@ -10,8 +10,9 @@ A leaf is one of three kinds:
 * plain: anything else, which counts as "not distributed" (TF's rules for those apply).
 
 A distributed variable counts as the distributed value it holds (``distributed_view``): a
-mirrored one as mirrored, a sync-on-read one as its components. Inside a ``merge_fn`` a per-replica value is a
-``GatheredPerReplica``: reducing it is one all-reduce of this replica's component.
+mirrored one as mirrored, a sync-on-read one as its components. Inside a ``merge_fn`` a
+per-replica value is a ``GatheredPerReplica``: reducing it is one all-reduce of this replica's
+component.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ def require_cross_replica(strategy, method: str) -> None:
     if entry.replica_context is not None and entry.strategy is not context.default_strategy():
         other = "all_reduce" if method in ("reduce", "reduce_to", "batch_reduce_to") else "all_gather"
         raise RuntimeError(
-            f"`{method}` is a cross-replica method and was called in a replica context (inside "
-            f"`run`). Method requires being in cross-replica context, use "
-            f"get_replica_context().merge_call(), or get_replica_context().{other}() to combine "
-            f"values across replicas inside the step."
+            f"{method}: called in a replica context (inside `run`), but it is a cross-replica "
+            f"method; as TF says, \"Method requires being in cross-replica context, use "
+            f"get_replica_context().merge_call()\", or get_replica_context().{other}() to "
+            f"combine values across replicas inside the step."
         )
 
 
@@ -114,7 +115,7 @@ def _reduce_leaf(strategy, op: ReduceOp, x, axis):
     if op is ReduceOp.MEAN:
         return v
     if k == PLAIN:
-        raise ValueError(
+        raise ValueError(  # TF's wording, on purpose
             f"A non-DistributedValues value {x!r} cannot be reduced with the given reduce op "
             f"{op}. Return it from `run`, or reduce it with ReduceOp.MEAN."
         )
@@ -229,8 +230,8 @@ def _gather_leaf(strategy, x, axis):
     rank = stacked.ndim - 1
     if rank < 1:
         raise ValueError(
-            "gather: the components of `value` must have rank >= 1; got scalars. Expand them "
-            "with x[None] before gathering."
+            "gather: the components of `value` must have rank >= 1, but they are scalars; "
+            "expand them with x[None] before gathering."
         )
     ax = _norm_axis(axis, rank, "gather")
     moved = jnp.moveaxis(stacked, 0, ax)  # (..., N, s[ax], ...)
@@ -245,7 +246,8 @@ def gather(strategy, value, axis):
         def leaf(x):
             v = jnp.asarray(_single_component(x))
             if v.ndim < 1:
-                raise ValueError("gather: `value` must have rank >= 1; got a scalar.")
+                raise ValueError("gather: `value` must have rank >= 1, but it is a scalar; "
+                                 "expand it with x[None] before gathering.")
             _norm_axis(axis, v.ndim, "gather")
             return v
         return jax.tree.map(leaf, value, is_leaf=is_distributed)

@@ -60,7 +60,8 @@ class Analysis:
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> constness = Analysis(constant=True, unknown=lambda eqn, ins: [all(ins)] * len(eqn.outvars))
+        >>> constness = Analysis(constant=True,
+        ...                      unknown=lambda eqn, ins: [all(ins)] * len(eqn.outvars))
         >>> jaxpr = jax.make_jaxpr(lambda x: x * 2 + 1)(1.0).jaxpr
         >>> constness.analyse(jaxpr, [False])
         [False]

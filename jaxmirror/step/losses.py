@@ -24,9 +24,11 @@ def _check_global_batch_size(global_batch_size) -> None:
     # np, not jnp: inside `run` jnp.asarray(10) would be traced and could not be compared.
     gbs = jax.typeof(global_batch_size) if traced else np.asarray(global_batch_size)
     if gbs.ndim != 0 or gbs.dtype == bool or not np.issubdtype(gbs.dtype, np.integer):
-        raise ValueError(f"`global_batch_size` must be a scalar integer; got {global_batch_size!r}.")
+        raise ValueError(f"compute_average_loss: `global_batch_size` must be a scalar integer; "
+                         f"got {global_batch_size!r}.")
     if not traced and int(gbs) <= 0:
-        raise ValueError(f"`global_batch_size` must be positive; got {global_batch_size}.")
+        raise ValueError(f"compute_average_loss: `global_batch_size` must be positive; got "
+                         f"{global_batch_size}.")
 
 
 def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
@@ -66,6 +68,7 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
     """
     loss = jnp.asarray(per_example_loss)
     if loss.ndim < 1:
+        # TF's wording, on purpose (and below, for a call in cross-replica context).
         raise ValueError("Invalid value passed for `per_example_loss`. Expected a tensor with at "
                          f"least rank 1, received shape {loss.shape}.")
     dtype = loss.dtype

@@ -53,9 +53,9 @@ def check_can_run(strategy) -> None:
     entry = context.current()
     if entry.in_run:
         raise RuntimeError(
-            "`run` was called inside a function that `run` is already running. Method requires "
-            "being in cross-replica context, use get_replica_context().merge_call() or call the "
-            "inner function directly."
+            "run: called inside a function that `run` is already running; call the inner "
+            "function directly, or, as TF says, \"Method requires being in cross-replica "
+            "context, use get_replica_context().merge_call()\"."
         )
     if entry.strategy is not strategy and entry.strategy is not context.default_strategy():
         raise context.mixing_error(entry.strategy, strategy)
@@ -158,8 +158,8 @@ class Program:
         if i is not None:
             raise ValueError(
                 f"{self.__name__}: `donate_argnums` includes argument {i}, which holds "
-                f"jaxmirror Variables; a variable's array is its state and cannot be donated. "
-                f"Donate only arrays (variables are written back after the call anyway)."
+                f"jaxmirror Variables, and a variable's array is its state, which cannot be "
+                f"donated; donate only arrays (variables are written back after the call anyway)."
             )
 
     def _check_not_donating_batches(self, args) -> None:
@@ -170,7 +170,7 @@ class Program:
             raise ValueError(
                 f"{self.__name__}: `donate_argnums` includes argument {i}, a batch from a "
                 f"distributed dataset; its leaves share their row counts with the rest of "
-                f"the batch (and later batches), so it cannot be donated. Donate params and "
+                f"the batch (and later batches), so it cannot be donated; donate params and "
                 f"optimizer state, not batches."
             )
 
@@ -181,7 +181,7 @@ class Program:
     def _transformed_error(self) -> RuntimeError:
         return RuntimeError(
             f"{self.__name__}: a step that uses jaxmirror Variables cannot be called inside "
-            f"jax.jit, jax.grad or lax.scan (its assignments would be lost). Call it directly, "
+            f"jax.jit, jax.grad or lax.scan (its assignments would be lost); call it directly, "
             f"or pass arrays instead of variables."
         )
 

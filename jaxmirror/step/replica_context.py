@@ -16,8 +16,8 @@ def _check_gather_axis(x, axis) -> int:
     rank = jnp.ndim(x)
     if rank < 1:
         raise ValueError(
-            f"all_gather: `value` must have rank >= 1 to be gathered along `axis`; got a scalar "
-            f"{x!r}. Reshape it to shape [1] first."
+            f"all_gather: `value` must have rank >= 1 to be gathered along `axis`, but {x!r} is "
+            f"a scalar; reshape it to shape [1] first."
         )
     if not isinstance(axis, int) or not -rank <= axis < rank:
         raise ValueError(f"all_gather: `axis` must be an int in [{-rank}, {rank}) for a rank-{rank} "
@@ -217,7 +217,7 @@ class ReplicaContext:
         entry = context.current()
         if entry.replica_context is not self:
             raise RuntimeError(
-                "merge_call was called outside the replica context it belongs to: call it inside "
+                "merge_call: called outside the replica context it belongs to; call it inside "
                 "the step function `run` is running (not inside a merge_fn, which already runs "
                 "in cross-replica context, and not after `run` returned)."
             )
@@ -258,7 +258,7 @@ def _checked_merge_arguments(merge_fn, args, kwargs) -> tuple:
     """``(args, kwargs)`` of a ``merge_call`` as a tuple and a dict; raises for bad ones."""
     if not callable(merge_fn):
         raise TypeError(f"merge_call: `merge_fn` must be callable; got {merge_fn!r}.")
-    if not isinstance(args, (list, tuple)):
+    if not isinstance(args, (list, tuple)):  # TF's wording after the API name (also kwargs)
         raise ValueError(f"merge_call: positional args must be a list or tuple, got {type(args)}.")
     if kwargs is None:
         kwargs = {}

@@ -54,7 +54,7 @@ class DefaultStrategy(Strategy):
     @contextlib.contextmanager
     def scope(self):
         if context.has_strategy():
-            raise RuntimeError("Must not nest jaxmirror Strategy scopes.")
+            raise RuntimeError("Must not nest jaxmirror Strategy scopes.")  # TF's wording
         yield self
 
 

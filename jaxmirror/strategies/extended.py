@@ -266,11 +266,13 @@ class StrategyExtended:
         strategy = self._container_strategy_ref
         entry = context.current()
         if entry.strategy is not strategy or entry.replica_context is not None:
-            raise RuntimeError("colocate_vars_with may only be used inside this strategy's "
-                               "`scope()` (cross-replica context).")
+            raise RuntimeError("colocate_vars_with: may only be used inside this strategy's "
+                               "`scope()` (cross-replica context); enter `with "
+                               "strategy.scope():` first.")
         if not self.variable_created_in_scope(colocate_with_variable):
             raise ValueError(f"colocate_vars_with: `colocate_with_variable` must be a variable "
-                             f"created in this strategy's scope; got {colocate_with_variable!r}.")
+                             f"created in this strategy's scope; got {colocate_with_variable!r}. "
+                             f"Pass one of its variables.")
         yield
 
     def value_container(self, value):

@@ -37,11 +37,11 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices=None, cross_device_ops=None):
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
-            raise ValueError(f"`cross_device_ops` must be a jaxmirror CrossDeviceOps or None; got "
-                             f"{cross_device_ops!r}.")
+            raise ValueError(f"MirroredStrategy: `cross_device_ops` must be a jaxmirror "
+                             f"CrossDeviceOps or None; got {cross_device_ops!r}.")
         if devices is None:
             devs = devices_lib.default_local_devices()
         else:
-            devs = devices_lib.resolve_all(devices, "devices")
+            devs = devices_lib.resolve_all(devices, "MirroredStrategy", "devices")
         self._cross_device_ops = cross_device_ops
         super().__init__(StrategyExtended(self, devs))

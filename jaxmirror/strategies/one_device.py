@@ -27,6 +27,6 @@ class OneDeviceStrategy(Strategy):
     """
 
     def __init__(self, device):
-        dev = devices_lib.resolve(device, "device")
+        dev = devices_lib.resolve(device, "OneDeviceStrategy", "device")
         # TF: variables in its scope are plain variables on the device.
         super().__init__(StrategyExtended(self, [dev], distributed_variables=False))

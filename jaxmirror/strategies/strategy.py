@@ -148,11 +148,13 @@ class Strategy(InputMethods):
             [2.0, 4.0]
         """
         if args is not _NOT_GIVEN and not isinstance(args, (list, tuple)):
+            # TF's wording, on purpose (also for kwargs).
             raise ValueError(f"positional args must be a list or tuple, got {type(args)}.")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"kwargs must be a dict, got {type(kwargs)}.")
         if options is not None and not isinstance(options, RunOptions):
-            raise ValueError(f"options must be a jaxmirror.RunOptions, got {type(options)}.")
+            raise ValueError(f"run: `options` must be a jaxmirror.RunOptions or None; got "
+                             f"{type(options)}.")
         program = self._program(fn, options or _DEFAULT_OPTIONS)
         if args is _NOT_GIVEN:
             if kwargs is None and options is None and program.wants_arguments:

@@ -26,11 +26,12 @@ from jaxmirror.variables.variable import Variable, state_from_components, state_
 # -- reduce_to / batch_reduce_to ------------------------------------------------------------------
 def _check_destinations(destinations) -> None:
     if destinations is None or (isinstance(destinations, (str, tuple, list)) and not destinations):
+        # TF's wording, on purpose.
         raise ValueError(f"destinations can not be empty; got {destinations!r}. Pass a variable, "
                          f"a distributed value, an array or a device string.")
     if not isinstance(destinations, (Variable, DistributedValues, jax.Array, str, jax.Device)):
-        raise ValueError(f"`destinations` must be a variable, a distributed value, an array or a "
-                         f"device string; got {type(destinations).__name__}.")
+        raise ValueError(f"reduce_to: `destinations` must be a variable, a distributed value, an "
+                         f"array or a device string; got {type(destinations).__name__}.")
 
 
 def _placement(strategy, destinations):
@@ -47,7 +48,7 @@ def _placement(strategy, destinations):
         return ext.replicated_sharding if strategy.num_replicas_in_sync > 1 else ext.devices[0]
     if isinstance(destinations, jax.Array):
         return destinations.sharding
-    return devices_lib.resolve(destinations, "destinations")
+    return devices_lib.resolve(destinations, "reduce_to", "destinations")
 
 
 def reduce_to(strategy, reduce_op, value, destinations):
@@ -65,8 +66,8 @@ def batch_reduce_to(strategy, reduce_op, value_destination_pairs):
     """``StrategyExtended.batch_reduce_to`` (see there)."""
     if not isinstance(value_destination_pairs, (list, tuple)) or not all(
             isinstance(p, (list, tuple)) and len(p) == 2 for p in value_destination_pairs):
-        raise ValueError(f"`value_destination_pairs` must be a list or tuple of (value, "
-                         f"destinations) pairs; got {value_destination_pairs!r}.")
+        raise ValueError(f"batch_reduce_to: `value_destination_pairs` must be a list or tuple of "
+                         f"(value, destinations) pairs; got {value_destination_pairs!r}.")
     return [reduce_to(strategy, reduce_op, v, d) for v, d in value_destination_pairs]
 
 
@@ -155,7 +156,7 @@ def _eager_update(strategy, var, fn, args, kwargs, group):
         if any(_compat.is_tracer(x) for x in values):
             raise ValueError(
                 f"update: `fn` wrote a traced value to variable {v.name!r}: `update` was called "
-                f"inside jax.jit/jax.grad, where its writes would be lost. Call it outside, or "
+                f"inside jax.jit/jax.grad, where its writes would be lost; call it outside, or "
                 f"inside `run`'s step."
             )
     # All calls succeeded: now write.

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 
 from jaxmirror.core import _compat
-from jaxmirror.core.values import DistributedValues, Mirrored, PerReplica, components
+from jaxmirror.core.values import DistributedValues, Mirrored
 from jaxmirror.variables.operators import ArrayOperators
 
 
@@ -48,24 +48,6 @@ def owned_copy(x):
     return x.copy() if isinstance(x, jax.Array) and not _compat.is_tracer(x) else x
 
 
-def host_value(x):
-    """An initial value as one array: a variable's value, a PerReplica's component 0.
-
-    Args:
-        x: what ``Variable(initial_value)`` was given (after calling a callable).
-
-    Returns:
-        The value every component starts from.
-    """
-    if isinstance(x, ArrayOperators):
-        return x.read_value()
-    if isinstance(x, PerReplica):
-        return components(x.stacked)[0]  # every component starts from replica 0's value
-    if isinstance(x, Mirrored):
-        return x.value
-    return x
-
-
 def convert(var, value, method: str):
     """``value`` checked and cast for ``var`` (TF's shape and dtype rules).
 
@@ -87,14 +69,14 @@ def convert(var, value, method: str):
         value = value.value
     elif isinstance(value, DistributedValues):
         raise ValueError(
-            f"Variable {var.name!r}: `{method}` got a {type(value).__name__} value. In "
+            f"Variable.{method}: got a {type(value).__name__} value for {var.name!r}, but in "
             f"cross-replica context a {type(var).__name__} can only be assigned a single "
             f"value or a Mirrored one; reduce per-replica values first "
             f"(strategy.extended.reduce_to or strategy.reduce)."
         )
     x = value if isinstance(value, jax.Array) or _compat.is_tracer(value) else np.asarray(value)
     if tuple(x.shape) != var.shape:
-        raise ValueError(
+        raise ValueError(  # TF's wording, on purpose
             f"Cannot {method} value to variable {var.name!r}: Shape mismatch. The variable "
             f"shape {var.shape}, and the assigned value shape {tuple(x.shape)} are "
             f"incompatible."
@@ -103,7 +85,7 @@ def convert(var, value, method: str):
     weak = (not isinstance(value, (jax.Array, np.ndarray, np.generic))
             and not _compat.is_tracer(value))
     if src != var.dtype and not weak and not np.can_cast(src, var.dtype, "same_kind"):
-        raise TypeError(f"Cannot {method} a {src} value to variable {var.name!r} of dtype "
-                        f"{var.dtype}.")
+        raise TypeError(f"Variable.{method}: cannot cast a {src} value to variable "
+                        f"{var.name!r} of dtype {var.dtype}; cast it first (x.astype(...)).")
     # A strong dtype: a weakly typed new value would change the step's signature.
     return lax.convert_element_type(x, var.dtype)

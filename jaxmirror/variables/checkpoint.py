@@ -128,7 +128,8 @@ def save(directory, tree, *, force=False):
     # Before touching the directory: a tree that cannot be saved must not cost the old checkpoint.
     saveable = to_saveable(tree)
     if not jax.tree.leaves(saveable):
-        raise ValueError(f"jaxmirror.checkpoint.save: `tree` has no leaves to save (got {tree!r}).")
+        raise ValueError(f"jaxmirror.checkpoint.save: `tree` has no leaves to save (got "
+                         f"{tree!r}); give a tree of variables or arrays.")
     replace = _check_destination(path, force)
     ocp = _ocp()
     # PyTreeCheckpointer saves synchronously: the checkpoint is complete when `save` returns.
@@ -142,16 +143,16 @@ def _check_destination(path: str, force: bool) -> bool:
         return False
     if not os.path.isdir(path):
         raise FileExistsError(f"jaxmirror.checkpoint.save: {path!r} exists and is not a "
-                              f"directory. Give a new directory.")
+                              f"directory; give a new directory.")
     if os.listdir(path):
         if not _is_checkpoint(path):
             raise FileExistsError(
                 f"jaxmirror.checkpoint.save: directory {path!r} is not empty and holds no "
-                f"orbax checkpoint; not replacing it, even with force=True. Give a new or "
+                f"orbax checkpoint, so it is not replaced, even with force=True; give a new or "
                 f"empty directory.")
         if not force:
             raise FileExistsError(
-                f"jaxmirror.checkpoint.save: a checkpoint already exists in {path!r}. Pass "
+                f"jaxmirror.checkpoint.save: a checkpoint already exists in {path!r}; pass "
                 f"force=True to replace it, or give a new directory.")
     # Orbax refuses any existing destination, an empty one included.
     return True
@@ -300,14 +301,16 @@ def _checked_metadata(checkpointer, path: str, target_pairs):
     shapes before anything is read (so a mismatch assigns no variable)."""
     item_metadata = checkpointer.metadata(path).item_metadata
     if item_metadata is None:
-        raise ValueError(f"jaxmirror.checkpoint.restore: {path!r} holds no pytree checkpoint.")
+        raise ValueError(f"jaxmirror.checkpoint.restore: {path!r} holds no pytree checkpoint; "
+                         f"give a directory `save` wrote.")
     metadata = getattr(item_metadata, "tree", item_metadata)
     saved_pairs = jax.tree_util.tree_flatten_with_path(metadata)[0]
     metas = leaves.check_same_structure(target_pairs, saved_pairs, "checkpoint")
     for (p, leaf), meta in zip(target_pairs, metas.values()):
         if getattr(meta, "shape", None) is None:  # a string, say
-            raise ValueError(f"Cannot restore into {leaves.where(p)}: the checkpoint holds a "
-                             f"{type(meta).__name__} there, not an array.")
+            raise ValueError(f"jaxmirror.checkpoint.restore: cannot restore into "
+                             f"{leaves.where(p)}: the checkpoint holds a {type(meta).__name__} "
+                             f"there, not an array; restore a checkpoint of arrays.")
         leaves.check_shape(p, leaf, meta.shape)
     return metadata
 

@@ -50,8 +50,8 @@ def by_name(pairs) -> dict:
     for path, leaf in pairs:
         name = tuple(key_name(k) for k in path)
         if name in named:
-            raise ValueError(f"{where(named[name][0])} and {where(path)} have the same name in a "
-                             f"checkpoint; give them distinct keys.")
+            raise ValueError(f"jaxmirror.checkpoint: {where(named[name][0])} and {where(path)} "
+                             f"have the same name in a checkpoint; give them distinct keys.")
         named[name] = (path, leaf)
     return named
 
@@ -70,8 +70,9 @@ def check_same_structure(target_pairs, saved_pairs, what: str) -> dict:
         if extra:
             parts.append(f"in {what} but not in target: {', '.join(extra[:5])}"
                          + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
-        raise ValueError(f"The target's structure does not match the {what}'s "
-                         f"({'; '.join(parts)}). Restore into a tree shaped like the one saved.")
+        raise ValueError(f"jaxmirror.checkpoint: the target's structure does not match the "
+                         f"{what}'s ({'; '.join(parts)}); restore into a tree shaped like the one "
+                         f"saved.")
     return {k: saved[k][1] for k in target}
 
 
@@ -81,24 +82,25 @@ def saveable_leaf(path, x):
         try:
             x = x.read_value()
         except ValueError as e:  # a sync-on-read variable with aggregation NONE
-            raise ValueError(f"Cannot save {where(path)}: {e}") from e
+            raise ValueError(f"jaxmirror.checkpoint: cannot save {where(path)}: {e}") from e
     elif isinstance(x, Mirrored):
         x = x.value
     elif isinstance(x, DistributedValues):
         raise ValueError(
-            f"Cannot save {where(path)}: it is a {type(x).__name__} value, whose replicas hold "
-            f"different values, and a checkpoint holds one value per leaf. Reduce it "
-            f"(strategy.reduce) or gather it (strategy.gather) first."
+            f"jaxmirror.checkpoint: cannot save {where(path)}, a {type(x).__name__} value whose "
+            f"replicas hold different values, since a checkpoint holds one value per leaf; "
+            f"reduce it (strategy.reduce) or gather it (strategy.gather) first."
         )
     if _compat.is_tracer(x):
-        raise ValueError(f"Cannot save {where(path)}: it is a traced value. Save outside jax.jit, "
-                         f"jax.grad and `run`, from the arrays they return.")
+        raise ValueError(f"jaxmirror.checkpoint: cannot save {where(path)}, a traced value; save "
+                         f"outside jax.jit, jax.grad and `run`, from the arrays they return.")
     if isinstance(x, (jax.Array, np.ndarray)):
         return x
     if isinstance(x, (np.generic,) + SCALARS):
         return np.asarray(x)
-    raise TypeError(f"Cannot save {where(path)}: got a {type(x).__name__}; expected a jaxmirror "
-                    f"Variable, a jax.Array, a NumPy array or a Python number.")
+    raise TypeError(f"jaxmirror.checkpoint: cannot save {where(path)}, a {type(x).__name__}; "
+                    f"expected a jaxmirror Variable, a jax.Array, a NumPy array or a Python "
+                    f"number.")
 
 
 def target_shape_dtype(path, leaf):
@@ -109,27 +111,29 @@ def target_shape_dtype(path, leaf):
         return target_shape_dtype(path, leaf.value)
     if isinstance(leaf, DistributedValues):
         raise ValueError(
-            f"Cannot restore into {where(path)}: it is a {type(leaf).__name__} value, and a "
-            f"checkpoint holds one value per leaf. Restore into a variable made in the strategy's "
-            f"scope, or into an array (jax.device_put(x, strategy.extended.replicated_sharding)).")
+            f"jaxmirror.checkpoint: cannot restore into {where(path)}, a {type(leaf).__name__} "
+            f"value, since a checkpoint holds one value per leaf; restore into a variable made in "
+            f"the strategy's scope, or into an array "
+            f"(jax.device_put(x, strategy.extended.replicated_sharding)).")
     if _compat.is_tracer(leaf):
-        raise ValueError(f"Cannot restore into {where(path)}: it is a traced value. Restore "
-                         f"outside jax.jit, jax.grad and `run`.")
+        raise ValueError(f"jaxmirror.checkpoint: cannot restore into {where(path)}, a traced "
+                         f"value; restore outside jax.jit, jax.grad and `run`.")
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
         return tuple(leaf.shape), np.dtype(leaf.dtype)
     if isinstance(leaf, SCALARS):
         return (), None
-    raise TypeError(f"Cannot restore into {where(path)}: got a {type(leaf).__name__}; expected a "
-                    f"jaxmirror Variable, a jax.Array, a jax.ShapeDtypeStruct, a NumPy array or a "
-                    f"Python number.")
+    raise TypeError(f"jaxmirror.checkpoint: cannot restore into {where(path)}, a "
+                    f"{type(leaf).__name__}; expected a jaxmirror Variable, a jax.Array, a "
+                    f"jax.ShapeDtypeStruct, a NumPy array or a Python number.")
 
 
 def check_shape(path, leaf, saved_shape) -> None:
     """Raise ``ValueError`` unless the target ``leaf`` takes a value of ``saved_shape``."""
     shape, _ = target_shape_dtype(path, leaf)
     if tuple(saved_shape) != shape:
-        raise ValueError(f"Cannot restore into {where(path)}: the saved value has shape "
-                         f"{tuple(saved_shape)}, the target has shape {shape}.")
+        raise ValueError(f"jaxmirror.checkpoint: cannot restore into {where(path)}: the saved "
+                         f"value has shape {tuple(saved_shape)}, the target has shape {shape}; "
+                         f"restore into a tree shaped like the one saved.")
 
 
 def sharding_of(leaf):

@@ -50,7 +50,7 @@ def _is_constant(x) -> bool:
 
 
 def _non_distributed_sum_error(value) -> ValueError:
-    return ValueError(
+    return ValueError(  # TF's wording, on purpose, and what to do
         f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op "
         f"{ReduceOp.SUM}. Compute the value in the replica (e.g. jnp.asarray(value)) to assign "
         f"each replica's contribution to a SUM variable."
@@ -175,10 +175,10 @@ class SyncOnReadVariable(_DistributedVariable, synchronization=Sync.ON_READ):
 
     def _cross_op(self):
         if self._aggregation is Agg.NONE:
-            raise ValueError(
+            raise ValueError(  # TF's wording, on purpose (and below)
                 f"Could not convert from `VariableAggregation` {Agg.NONE} to `ReduceOp` type: "
                 f"SyncOnReadVariable {self._name!r} with aggregation NONE cannot be read in "
-                f"cross-replica context. Give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA."
+                f"cross-replica context; give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA."
             )
         return self._aggregation
 
@@ -206,7 +206,8 @@ class SyncOnReadVariable(_DistributedVariable, synchronization=Sync.ON_READ):
         if method != "assign" and self._aggregation is Agg.SUM:
             raise ValueError(
                 f"SyncOnReadVariable does not support `{method}` in cross-replica context when "
-                f"aggregation is set to `VariableAggregation.SUM` (variable {self._name!r})."
+                f"aggregation is set to `VariableAggregation.SUM` (variable {self._name!r}); "
+                f"assign the new total instead."
             )
         new = convert(self, value, method)
         if method == "assign" and self._aggregation is Agg.SUM:

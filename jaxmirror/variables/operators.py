@@ -31,9 +31,9 @@ def value_of(x):
 class ArrayOperators:
     """Array behaviour for a class with ``read_value()`` (jaxmirror's variables).
 
-    Arithmetic, comparison and bitwise operators (and their reflected forms), ``jnp.asarray``
-    (``__jax_array__``), ``np.asarray``, ``float``/``int``/``bool``, indexing, iteration and
-    ``len`` act on the value.
+    ``value()`` and ``numpy()`` read it; arithmetic, comparison and bitwise operators (and their
+    reflected forms), ``jnp.asarray`` (``__jax_array__``), ``np.asarray``, ``float``/``int``/
+    ``bool``, indexing, iteration and ``len`` act on the value.
 
     Example:
         >>> import jaxmirror
@@ -46,7 +46,34 @@ class ArrayOperators:
     __array_priority__ = 100  # NumPy defers to our operators
 
     def read_value(self):
+        """The value, as the current context sees it (subclasses implement it)."""
         raise NotImplementedError
+
+    def value(self):
+        """The variable's value; the same as ``read_value()``.
+
+        Returns:
+            A ``jax.Array``.
+
+        Example:
+            >>> import jaxmirror
+            >>> float(jaxmirror.Variable(3.0).value())
+            3.0
+        """
+        return self.read_value()
+
+    def numpy(self):
+        """The value as a NumPy array (cross-replica context).
+
+        Returns:
+            A ``numpy.ndarray``.
+
+        Example:
+            >>> import jaxmirror
+            >>> jaxmirror.Variable([1, 2]).numpy()
+            array([1, 2], dtype=int32)
+        """
+        return np.asarray(self.read_value())
 
     def __jax_array__(self):
         return self.read_value()

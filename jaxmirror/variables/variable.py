@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import operator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,7 +30,8 @@ from jaxmirror.core.reduce_op import (
 )
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import PerReplica
-from jaxmirror.variables.assignment import combine, convert, host_value, owned_copy
+from jaxmirror.variables import creation, display
+from jaxmirror.variables.assignment import combine, convert, owned_copy
 from jaxmirror.variables.operators import ArrayOperators
 
 Agg = VariableAggregation
@@ -101,11 +101,11 @@ class Variable(ArrayOperators, Stateful):
         if cls is not Variable:
             if initial_value is None:  # copy and pickle make the object first, then fill it
                 return object.__new__(cls)
-            raise TypeError(f"Create variables with jaxmirror.Variable(...): inside a strategy's "
-                            f"scope it is a {cls.__name__} when the synchronization says so.")
+            raise TypeError(f"{cls.__name__}: not created directly; create variables with "
+                            f"jaxmirror.Variable(...), which is a {cls.__name__} inside a "
+                            f"strategy's scope when the synchronization says so.")
         sync = as_synchronization(synchronization)
-        entry = context.current()
-        strategy = entry.strategy if entry.strategy is not context.default_strategy() else None
+        strategy = creation.owning_strategy()
         if strategy is None or not strategy.extended.placement.distributed_variables:
             return object.__new__(Variable)
         kind = Sync.ON_READ if sync is Sync.ON_READ else Sync.ON_WRITE
@@ -116,38 +116,9 @@ class Variable(ArrayOperators, Stateful):
         sync = as_synchronization(synchronization)
         agg = as_aggregation(aggregation)
         name = "Variable" if name is None else str(name)
-        if trainable is None:
-            trainable = sync is not Sync.ON_READ
-        elif trainable and sync is Sync.ON_READ:
-            raise ValueError(
-                "Synchronization value can be set to VariableSynchronization.ON_READ only for "
-                f"non-trainable variables. You have specified trainable=True and "
-                f"synchronization=VariableSynchronization.ON_READ (variable {name!r})."
-            )
-        entry = context.current()
-        if entry.in_run:
-            raise RuntimeError(
-                f"jaxmirror.Variable {name!r} was created inside `run`. Create variables before "
-                f"the step (inside `strategy.scope()`) and use them in it by argument or closure."
-            )
-        strategy = entry.strategy if entry.strategy is not context.default_strategy() else None
-        if strategy is not None and sync is Sync.NONE:
-            raise ValueError(
-                f"`NONE` variable synchronization mode is not supported with {type(strategy).__name__}. "
-                f"Please change the `synchronization` for variable: {name}"
-            )
-        if initial_value is None:
-            raise ValueError(f"initial_value must be specified (variable {name!r}).")
-        if callable(initial_value) and not isinstance(initial_value, (jax.Array, Variable)):
-            initial_value = initial_value()
-        value = host_value(initial_value)
-        if _compat.is_tracer(value):
-            raise ValueError(f"initial_value of variable {name!r} is a traced value; create "
-                             f"variables outside jax.jit and `run`.")
-        value = jnp.asarray(value)
-        # An explicit dtype: not weak. A copy: the variable owns its buffer (TF copies too), so
-        # donating the initial array elsewhere cannot delete the variable's value.
-        value = jnp.array(value, dtype=dtype or value.dtype, copy=True)
+        trainable = creation.checked_trainable(trainable, sync, name)
+        strategy = creation.checked_owner(sync, name)
+        value = creation.initial_array(initial_value, dtype, name)
         self._strategy = strategy
         self._synchronization = sync
         self._aggregation = agg
@@ -207,9 +178,9 @@ class Variable(ArrayOperators, Stateful):
         """
         if self._strategy is not None and self._strategy is not strategy:
             raise ValueError(
-                f"Variable {self._name!r} was created in the scope of another strategy object "
-                f"({self._strategy!r} at {id(self._strategy):#x}); {strategy!r} at "
-                f"{id(strategy):#x} cannot use it. Create it inside `strategy.scope()` of the "
+                f"Variable {self._name!r}: created in the scope of another strategy object "
+                f"({self._strategy!r} at {id(self._strategy):#x}), so {strategy!r} at "
+                f"{id(strategy):#x} cannot use it; create it inside `strategy.scope()` of the "
                 f"strategy that uses it."
             )
 
@@ -273,32 +244,6 @@ class Variable(ArrayOperators, Stateful):
         if slot.updating or context.current().replica_context is not None:
             return slot.value
         return self._traced_cross_read(slot)
-
-    def value(self):
-        """The variable's value; the same as ``read_value()``.
-
-        Returns:
-            A ``jax.Array``.
-
-        Example:
-            >>> import jaxmirror
-            >>> float(jaxmirror.Variable(3.0).value())
-            3.0
-        """
-        return self.read_value()
-
-    def numpy(self):
-        """The value as a NumPy array (cross-replica context).
-
-        Returns:
-            A ``numpy.ndarray``.
-
-        Example:
-            >>> import jaxmirror
-            >>> jaxmirror.Variable([1, 2]).numpy()
-            array([1, 2], dtype=int32)
-        """
-        return np.asarray(self.read_value())
 
     def _eager_read(self):
         return self._state
@@ -382,17 +327,17 @@ class Variable(ArrayOperators, Stateful):
         slot = self._slot()
         if slot is not None and _compat.current_trace() is not binding.current().trace:
             raise ValueError(
-                f"Variable {self._name!r}: `{method}` inside a nested JAX transformation "
+                f"Variable.{method}: {self._name!r} assigned inside a nested JAX transformation "
                 f"(jax.jit, jax.grad, lax.scan/fori_loop/cond, ... within the step, or around an "
-                f"update) is not supported: its traced value would escape. Compute the new value "
-                f"there, return it, and assign it in the step itself."
+                f"update), where its traced value would escape; compute the new value there, "
+                f"return it, and assign it in the step itself."
             )
         if slot is None:
             if _compat.is_tracer(value) or (isinstance(value, Variable) and value._slot()):
                 raise ValueError(
-                    f"Variable {self._name!r}: `{method}` got a traced value outside `run`. "
-                    f"Variables are updated by `strategy.run` steps or eagerly; inside your own "
-                    f"jax.jit/grad/scan, work on arrays and return them."
+                    f"Variable.{method}: {self._name!r} got a traced value outside `run`; "
+                    f"variables are updated by `strategy.run` steps or eagerly, so inside your "
+                    f"own jax.jit/grad/scan work on arrays and return them."
                 )
             self._state = self._eager_write(method, value)
         elif slot.updating:
@@ -413,9 +358,9 @@ class Variable(ArrayOperators, Stateful):
     def _check_writable(self, frame, method: str) -> None:
         if self._strategy is None and frame.num_replicas > 1:
             raise ValueError(
-                f"Variable {self._name!r} was created outside any strategy's scope: a step of "
-                f"{frame.strategy!r} can read it but not `{method}` it. Create it inside "
-                f"`strategy.scope()`."
+                f"Variable.{method}: {self._name!r} was created outside any strategy's scope, "
+                f"so a step of {frame.strategy!r} can read it but not assign it; create it "
+                f"inside `strategy.scope()`."
             )
 
     def _replica_write(self, slot, method: str, value):
@@ -430,15 +375,7 @@ class Variable(ArrayOperators, Stateful):
                    slot.mirrored or method == "assign")
 
     def _components_repr(self) -> list[str]:
-        try:
-            comps = [np.asarray(c) for c in self._components()]
-        except Exception:  # traced, or not addressable from this process
-            comps = [None] * self._num_replicas
-        names = [f"{self._name}:0"] + [f"{self._name}/replica_{i}:0" for i in range(1, len(comps))]
-        # As TF prints them: numpy=2.0 for a scalar, numpy=array([...], dtype=...) otherwise.
-        text = [repr(c.item()) if c is not None and c.ndim == 0 else repr(c) for c in comps]
-        return [f"<jaxmirror.Variable '{n}' shape={self._shape} dtype={self._dtype}, numpy={t}>"
-                for n, t in zip(names, text)]
+        return display.component_reprs(self, self._components, self._num_replicas)
 
     def _components(self) -> tuple:
         return (self._state,)

@@ -1,0 +1,108 @@
+"""What ``Variable(...)`` checks, which strategy owns the new variable, and its initial array."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmirror.core import _compat, context
+from jaxmirror.core.reduce_op import VariableSynchronization
+from jaxmirror.core.values import Mirrored, PerReplica, components
+from jaxmirror.variables.operators import ArrayOperators
+
+Sync = VariableSynchronization
+
+
+def owning_strategy():
+    """The strategy whose scope is current, or ``None`` outside every scope (a plain variable).
+
+    Returns:
+        A ``Strategy`` or ``None``.
+    """
+    entry = context.current()
+    return entry.strategy if entry.strategy is not context.default_strategy() else None
+
+
+def checked_trainable(trainable, sync, name: str) -> bool:
+    """``trainable`` as TF 2 resolves it: ``None`` means True, except for ON_READ variables.
+
+    Raises:
+        ValueError: for ``trainable=True`` with ON_READ (TF's message).
+    """
+    if trainable is None:
+        return sync is not Sync.ON_READ
+    if trainable and sync is Sync.ON_READ:
+        raise ValueError(  # TF's wording, on purpose
+            "Synchronization value can be set to VariableSynchronization.ON_READ only for "
+            f"non-trainable variables. You have specified trainable=True and "
+            f"synchronization=VariableSynchronization.ON_READ (variable {name!r})."
+        )
+    return bool(trainable)
+
+
+def checked_owner(sync, name: str):
+    """The strategy that owns a variable created here; raises where none may be created.
+
+    Raises:
+        RuntimeError: inside ``run``.
+        ValueError: for ``synchronization=NONE`` in a strategy's scope (TF's message).
+    """
+    if context.current().in_run:
+        raise RuntimeError(
+            f"Variable: {name!r} was created inside `run`; create variables before the step "
+            f"(inside `strategy.scope()`) and use them in it by argument or closure."
+        )
+    strategy = owning_strategy()
+    if strategy is not None and sync is Sync.NONE:
+        raise ValueError(  # TF's wording, on purpose
+            f"`NONE` variable synchronization mode is not supported with {type(strategy).__name__}. "
+            f"Please change the `synchronization` for variable: {name}"
+        )
+    return strategy
+
+
+def initial_array(initial_value, dtype, name: str):
+    """The new variable's value as a fresh array it owns.
+
+    Args:
+        initial_value: what ``Variable`` was given: an array, a number, a variable, a
+            distributed value, or a callable returning one.
+        dtype: the dtype asked for, or ``None``.
+        name: the variable's name, for errors.
+
+    Returns:
+        A ``jax.Array`` with a strong dtype, copied (TF copies too), so donating the initial
+        array elsewhere cannot delete the variable's value.
+
+    Raises:
+        ValueError: for a missing or traced initial value.
+    """
+    if initial_value is None:
+        raise ValueError(f"Variable: initial_value must be specified (variable {name!r}); give "
+                         f"an array, a number or a callable returning one.")
+    if callable(initial_value) and not isinstance(initial_value, (jax.Array, ArrayOperators)):
+        initial_value = initial_value()
+    value = host_value(initial_value)
+    if _compat.is_tracer(value):
+        raise ValueError(f"Variable: initial_value of {name!r} is a traced value; create "
+                         f"variables outside jax.jit and `run`.")
+    value = jnp.asarray(value)
+    return jnp.array(value, dtype=dtype or value.dtype, copy=True)
+
+
+def host_value(x):
+    """An initial value as one array: a variable's value, a PerReplica's component 0.
+
+    Args:
+        x: what ``Variable(initial_value)`` was given (after calling a callable).
+
+    Returns:
+        The value every component starts from.
+    """
+    if isinstance(x, ArrayOperators):
+        return x.read_value()
+    if isinstance(x, PerReplica):
+        return components(x.stacked)[0]  # every component starts from replica 0's value
+    if isinstance(x, Mirrored):
+        return x.value
+    return x
