@@ -193,7 +193,7 @@ class Case:
         opt_state = TX.init(params)
         self.jm_step = make_jaxmirror_step(self.strategy)
         self.base_step = make_baseline_step(self.mesh, n)
-        self.bounded = self.strategy.extended._bound_in_flight  # jaxmirror's own queue is on
+        self.bounded = self.strategy.extended.placement.bound_in_flight  # jaxmirror's own queue is on
         # Independent copies of the same initial state (nothing is donated, but be safe).
         self.jm = Loop("jaxmirror", self.jm_step, self.jm_batches,
                        jax.device_put((params, opt_state), replicated), bound=False)

@@ -75,6 +75,7 @@ import jaxmirror  # noqa: E402
 from jaxmirror.core import _compat, inflight as _inflight  # noqa: E402  (the bound; --breakdown's pieces)
 from jaxmirror.step.program import _take_variables  # noqa: E402  (timed by --breakdown)
 from jaxmirror.step.program import check_can_run  # noqa: E402  (timed by --breakdown)
+from jaxmirror.variables.variable import state_of, write_back  # noqa: E402  (the same)
 from _timing import dispatch, init_params, mlp, steps_and_cases  # noqa: E402  (shared)
 from _timing import more_rounds  # noqa: E402
 from _timing import one_call as _one_call, per_call as _per_call  # noqa: E402
@@ -244,7 +245,7 @@ class Case:
         self.closure_step = make_closure_step(strategy, self.vars_b, assign)
         self.args_step = make_args_step(strategy, assign)
         self.base_step = make_baseline_step(self.mesh)
-        self.bounded = strategy.extended._bound_in_flight  # jaxmirror's own queue is on
+        self.bounded = strategy.extended.placement.bound_in_flight  # jaxmirror's own queue is on
         self.programs = {PYTREE: self.pytree_step, CLOSURE: self.closure_step,
                          ARGS: self.args_step}
 
@@ -295,7 +296,7 @@ class Case:
                 exact &= bool(np.array_equal(got[name], ref[name]))
         # The variables stay one replicated array each (all-reduced gradients: Mirrored).
         for v in (*self.vars_b.values(), *self.vars_c.values()):
-            assert isinstance(v._state, jax.Array), (v.name, type(v._state))
+            assert isinstance(state_of(v), jax.Array), (v.name, type(state_of(v)))
         return worst, exact
 
 
@@ -356,21 +357,20 @@ def bench_case(case: Case, args, steps: int) -> dict:
 # ----------------------------------------------------------------------------------------------
 def _apply(writes, variables):
     """Program.__call__'s write-back: ``writes`` maps a bound variable's index to its new array."""
-    for i, state in writes.items():
-        variables[i]._state = state
+    write_back(variables, writes)
 
 
 def _jit_args(prog, args):
     """What ``Program`` hands ``Program._jitted`` for these step arguments.
 
     ``(key, captured states, args)``: ``key`` is the static binding of
-    ``Program._trace_user_function``, ``(positions, variables, captured)``, and in ``args`` every
+    ``step.trace.trace_replica``, ``(positions, variables, captured)``, and in ``args`` every
     variable is replaced by its array (``program._take_variables``, which the breakdown also times
     as the cost of finding variables among the arguments). A ``_jitted`` call with a key that
     differs from the step's would build a second program: ``check_counts`` would fail.
     """
     key, args, _ = _take_variables(args, {}, prog._captured)
-    return key, tuple(v._state for v in prog._captured), args
+    return key, tuple(map(state_of, prog._captured)), args
 
 
 def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
@@ -403,7 +403,7 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         return loss
 
     def closure_jitted():
-        loss, _, writes = pb._jitted(key_b, tuple(v._state for v in captured), x, y)
+        loss, _, writes = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)
         _apply(writes, captured)
         return loss
 
@@ -420,14 +420,14 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
                              samples)
     rows = [(k, statistics.median(v)) for k, v in times.items()]
     case.sync()
-    writes = pb._jitted(key_b, tuple(v._state for v in captured), x, y)[2]
+    writes = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)[2]
     jax.block_until_ready(writes)
     _apply(writes, captured)  # the variables now hold these arrays: the piece rewrites the same
     pieces = {
         "  piece: check_can_run(strategy)": lambda: check_can_run(case.strategy),
         "  piece: _compat.trace_state_clean()": _compat.trace_state_clean,
-        "  piece: (b) tuple(v._state for v in captured), 4 variables":
-            lambda: tuple(v._state for v in captured),
+        "  piece: (b) tuple(map(state_of, captured)), 4 variables":
+            lambda: tuple(map(state_of, captured)),
         "  piece: (b) write back, 4 variables (no array freed)": lambda: _apply(writes, captured),
         "  piece: (c) find the variables among the arguments (flatten, swap, unflatten, key)":
             lambda: _jit_args(pc, ((vars_c, x, y), {})),
@@ -464,7 +464,7 @@ def ablation(case: Case, rounds: int, steps: int,
         return out
 
     def closure_jitted(_, x, y):
-        loss, _, writes = pb._jitted(key_b, tuple(v._state for v in captured), x, y)
+        loss, _, writes = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)
         _apply(writes, captured)
         return None, loss
 
