@@ -127,7 +127,7 @@ def test_one_device_strategy_makes_plain_variables_through_its_placement():
 
 
 def test_rows_follow_a_copy_of_the_batch():
-    # lax.copy_p: the old name-keyed table had "copy_p", which never matched the primitive.
+    # The rule tables are keyed by primitive objects: lax.copy_p keeps a padded batch's rows.
     s = strategy(2)
     batch = next(iter(s.experimental_distribute_dataset([np.arange(3.0)])))
     out = s.run(lambda x: jnp.array(x, copy=True) * 2, args=(batch,))

@@ -1,5 +1,5 @@
-"""``jaxmirror.checkpoint``: orbax checkpoints of variables and arrays (SEMANTICS.md "Variables",
-"Checkpoints": ON_READ saves the aggregate and SUM restores value / N; ON_WRITE saves component 0
+"""``jaxmirror.checkpoint``: orbax checkpoints of variables and arrays (TF's rules for
+variables and checkpoints: ON_READ saves the aggregate and SUM restores value / N; ON_WRITE saves component 0
 and restores it everywhere; both interoperate with plain arrays and variables)."""
 
 import collections

@@ -1,4 +1,4 @@
-"""The context rules of SEMANTICS.md ("Contexts")."""
+"""TF's context rules: which strategy and replica context are current where."""
 
 import jax.numpy as jnp
 import pytest

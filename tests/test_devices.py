@@ -1,4 +1,4 @@
-"""Strategies and devices (SEMANTICS.md, "Strategies and devices"): which devices a strategy
+"""Strategies and devices, by TF's rules: which devices a strategy
 takes, how TF device strings are read, the names and mesh it exposes, and ``cross_device_ops``."""
 
 import functools

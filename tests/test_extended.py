@@ -368,6 +368,28 @@ def test_update_with_per_replica_args_writes_each_component(n):
     assert comps(w) == [2.0 * i for i in range(n)]
 
 
+def test_update_per_replica_rounds_write_a_plain_variable_once():
+    # One round per replica (per-replica args): a plain variable (no strategy) that ``fn``
+    # writes, by closure or as an argument, has one component and takes the value the rounds
+    # wrote (each round starts from it, so they agree).
+    s = mirrored(2)
+    with s.scope():
+        w = jm.Variable(0.0)
+    counter, plain = jm.Variable(0), jm.Variable(5.0)
+    pr = s.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+
+    def fn(var, x, p):
+        counter.assign_add(1)
+        p.assign_add(1.0)
+        return var.assign(x)
+
+    s.extended.update(w, fn, args=(pr, plain))
+    assert comps(w) == [1.0, 2.0]
+    assert int(counter.numpy()) == 1 and float(plain.numpy()) == 6.0
+    assert type(counter) is jm.Variable and counter.read_value().shape == ()
+
+
 def test_update_on_sync_on_read_variable_updates_each_component():
     s = mirrored(2)
     with s.scope():

@@ -1,5 +1,5 @@
-"""``compute_average_loss`` and the simple ``experimental_distribute_dataset`` (SEMANTICS.md,
-"compute_average_loss" and "experimental_distribute_dataset"); every expectation is NumPy."""
+"""``compute_average_loss`` and the simple ``experimental_distribute_dataset`` (TF's
+rules for both); every expectation is NumPy."""
 
 
 import jax

@@ -1,5 +1,5 @@
 """Cross-replica views of values: ``reduce``, ``gather``, ``experimental_local_results`` and
-``experimental_distribute_values_from_function`` (SEMANTICS.md, "reduce(op, value, axis)").
+``experimental_distribute_values_from_function`` (TF's rules for ``reduce(op, value, axis)``).
 
 Every expectation is computed with NumPy from the per-replica components, which are chosen to
 differ from replica to replica so that order and multiplicity are visible in the results.

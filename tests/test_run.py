@@ -1,4 +1,4 @@
-"""``Strategy.run`` and its decorator forms (SEMANTICS.md "run" and "ReplicaContext")."""
+"""``Strategy.run`` and its decorator forms (TF's rules for ``run`` and ``ReplicaContext``)."""
 
 import collections
 

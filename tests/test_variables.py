@@ -1,4 +1,4 @@
-"""Variables: Mirrored, SyncOnRead and plain ones (SEMANTICS.md "Variables").
+"""Variables: Mirrored, SyncOnRead and plain ones (TF's rules for variables).
 
 Checkpoints, ``extended.update`` and ``reduce_to`` are covered in test_extended.py. Every rule
 about what ``run`` does to a variable is checked with the variable passed as an argument and

@@ -116,7 +116,7 @@ def simulate_cpu_devices(n: int) -> None:
             return
         raise RuntimeError(
             f"simulate_cpu_devices({n}): JAX has already started with {have} CPU device(s), and "
-            f"the count is fixed once it starts. Restart the kernel (or process) and call "
+            f"the count is fixed once it starts; restart the kernel (or process) and call "
             f"jaxmirror.experimental.simulate_cpu_devices({n}) before any other JAX work."
         )
     _compat.set_cpu_device_count(n)

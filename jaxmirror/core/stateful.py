@@ -41,6 +41,12 @@ class Stateful:
         """Whether the state holds one component per replica, stacked (a ``PerReplica``)."""
         raise NotImplementedError
 
+    @property
+    def always_per_replica(self) -> bool:
+        """Whether the components stay one per replica even when they agree (sync-on-read), so
+        a step returns them per replica whatever its analysis says."""
+        raise NotImplementedError
+
     def check_usable_in(self, strategy) -> None:
         """Raise ``ValueError`` unless a step of ``strategy`` may use this value.
 

@@ -243,7 +243,7 @@ def explain_element(element, position: int, what: str):
             lists = any(isinstance(k, jax.tree_util.SequenceKey) for k in path)
             raise ValueError(
                 f"{what}: leaf {where} of element {position} is a scalar: the dataset looks "
-                f"unbatched. Batch it by the global batch size (axis 0 is the batch), e.g. "
+                f"unbatched; batch it by the global batch size (axis 0 is the batch), e.g. "
                 f"yield arrays of shape (global_batch_size, ...)."
                 + (" Python lists and tuples are nests (structure) here, not arrays: make "
                    "each leaf a NumPy array (a ragged list cannot be one)." if lists else "")

@@ -29,9 +29,9 @@ def _topology(strategy) -> batching.Topology:
     me = jax.process_index()
     local = [i for i, d in enumerate(ext.devices) if d.process_index == me]
     if local != list(range(local[0], local[-1] + 1)):
-        raise ValueError(f"distributing a dataset over {strategy!r}: this worker's replicas "
-                         f"{local} are not contiguous in replica order; list each worker's "
-                         f"devices together.")
+        raise ValueError(f"DistributedDataset: this worker's replicas {local} of {strategy!r} "
+                         f"are not contiguous in replica order, as distributing a dataset "
+                         f"needs; list each worker's devices together.")
     return batching.Topology(ext.placement.num_replicas, jax.process_count(), me,
                              range(local[0], local[-1] + 1))
 

@@ -46,7 +46,7 @@ class OneShot:
         if self._used:
             raise ValueError(
                 f"{self._what}: `dataset` was a one-shot iterator (e.g. a generator) and its one "
-                f"epoch is used up. Pass a re-iterable, or a zero-argument function that returns "
+                f"epoch is used up; pass a re-iterable, or a zero-argument function that returns "
                 f"a new iterator, to iterate again."
             )
         self._used = True
@@ -80,13 +80,13 @@ def epoch_factory(dataset, what: str):
     if isinstance(dataset, (np.ndarray, jax.Array)):
         raise ValueError(
             f"{what}: `dataset` is a single array of shape {tuple(dataset.shape)}, not a "
-            f"dataset of batches. Pass a list of batches (e.g. np.array_split(x, num_batches)), "
+            f"dataset of batches; pass a list of batches (e.g. np.array_split(x, num_batches)), "
             f"a generator function, or a grain/tf.data/torch dataset batched by the global "
             f"batch size."
         )
     if isinstance(dataset, (str, bytes, dict, collections.abc.Mapping)):
         raise ValueError(f"{what}: `dataset` must be an iterable of batches; got a "
-                         f"{type(dataset).__name__}. Wrap one batch in a list: [batch].")
+                         f"{type(dataset).__name__}; wrap one batch in a list: [batch].")
     if isinstance(dataset, collections.abc.Iterator):
         return OneShot(dataset, what)
     if isinstance(dataset, collections.abc.Iterable):  # lists, grain datasets and loaders, ...
@@ -96,7 +96,8 @@ def epoch_factory(dataset, what: str):
             made = dataset()
             if not isinstance(made, collections.abc.Iterable):
                 raise ValueError(f"{what}: the dataset function returned a "
-                                 f"{type(made).__name__}, not an iterable of batches.")
+                                 f"{type(made).__name__}, not an iterable of batches; return a "
+                                 f"list, a generator or a dataset of batches.")
             return iter(epoch_factory(made, what)())
         return fresh
     raise ValueError(f"{what}: `dataset` must be an iterable of batches, a function returning "

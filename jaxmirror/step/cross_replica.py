@@ -59,9 +59,9 @@ def require_cross_replica(strategy, method: str) -> None:
         other = "all_reduce" if method in ("reduce", "reduce_to", "batch_reduce_to") else "all_gather"
         raise RuntimeError(
             f"{method}: called in a replica context (inside `run`), but it is a cross-replica "
-            f"method; as TF says, \"Method requires being in cross-replica context, use "
-            f"get_replica_context().merge_call()\", or get_replica_context().{other}() to "
-            f"combine values across replicas inside the step."
+            f"method; use get_replica_context().{other}() to combine values across replicas "
+            f"inside the step, or, as TF says, \"Method requires being in cross-replica "
+            f"context, use get_replica_context().merge_call()\"."
         )
 
 

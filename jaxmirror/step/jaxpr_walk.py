@@ -57,6 +57,9 @@ class Analysis:
     Args:
         constant: the value of literals and closure constants.
         unknown: ``unknown(eqn, ins) -> outs`` for equations with neither a rule nor a body.
+        strict: whether a variable no equation gave a value is an error (a rule that returned
+            too few values); otherwise it reads as ``constant``, which must then be the safe
+            answer.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -67,9 +70,10 @@ class Analysis:
         [False]
     """
 
-    def __init__(self, constant, unknown: Callable):
+    def __init__(self, constant, unknown: Callable, strict: bool = False):
         self.constant = constant
         self.unknown = unknown
+        self.strict = strict
         self.rules: dict = {}
 
     def register(self, *primitives) -> Callable:
@@ -83,7 +87,8 @@ class Analysis:
         """
         for p in primitives:
             if not isinstance(p, _compat.Primitive):
-                raise TypeError(f"Analysis.register: {p!r} is not a JAX primitive.")
+                raise TypeError(f"Analysis.register: {p!r} is not a JAX primitive; pass the "
+                                f"primitive object (jax.lax.<name>_p, or core._compat's).")
 
         def add(rule):
             for p in primitives:
@@ -115,9 +120,10 @@ class Analysis:
         env = dict(zip(jaxpr.invars, ins))
         env.update((v, self.constant) for v in jaxpr.constvars)
         constant = self.constant
+        lookup = env.__getitem__ if self.strict else lambda v: env.get(v, constant)
 
         def read(v):
-            return constant if isinstance(v, _compat.Literal) else env.get(v, constant)
+            return constant if isinstance(v, _compat.Literal) else lookup(v)
 
         for eqn in jaxpr.eqns:
             env.update(zip(eqn.outvars, self.equation(eqn, [read(v) for v in eqn.invars])))

@@ -186,7 +186,7 @@ class Program:
         )
 
     def _handle(self, out):
-        """One output array of this call, found without flattening ``out`` (DESIGN: hot path)."""
+        """One output array of this call, found without flattening ``out`` (on the hot path)."""
         try:
             for getter in self._handle_path:
                 out = getter(out)

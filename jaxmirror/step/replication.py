@@ -33,7 +33,8 @@ def _conservative(eqn, ins: list[bool]) -> list[bool]:
     return [varies] * len(eqn.outvars)
 
 
-ANALYSIS = Analysis(constant=False, unknown=_conservative)
+# Strict: an unknown variable must not read as "replicated", the unsafe answer.
+ANALYSIS = Analysis(constant=False, unknown=_conservative, strict=True)
 
 
 @ANALYSIS.register(*REPLICATING)

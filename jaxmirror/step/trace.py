@@ -21,7 +21,6 @@ from jaxmirror.core._compat import P
 from jaxmirror.core.values import PerReplica, is_distributed
 from jaxmirror.step import replication, rows
 from jaxmirror.step.replica_context import ReplicaContext
-from jaxmirror.variables.distributed import SyncOnReadVariable
 
 
 class Traced(NamedTuple):
@@ -90,8 +89,7 @@ def _written_outputs(frame, bound, num_replicas: int) -> dict:
     return dict(
         written=tuple(index[id(s.var)] for s in slots),
         # A sync-on-read variable keeps one component per replica, even when they agree.
-        written_varying=[isinstance(s.var, SyncOnReadVariable) and num_replicas > 1
-                         for s in slots],
+        written_varying=[s.var.always_per_replica and num_replicas > 1 for s in slots],
         values=[jnp.asarray(s.value) for s in slots],
     )
 

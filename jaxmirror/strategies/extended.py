@@ -271,8 +271,8 @@ class StrategyExtended:
                                "strategy.scope():` first.")
         if not self.variable_created_in_scope(colocate_with_variable):
             raise ValueError(f"colocate_vars_with: `colocate_with_variable` must be a variable "
-                             f"created in this strategy's scope; got {colocate_with_variable!r}. "
-                             f"Pass one of its variables.")
+                             f"created in this strategy's scope; got {colocate_with_variable!r}; "
+                             f"pass one of its variables.")
         yield
 
     def value_container(self, value):

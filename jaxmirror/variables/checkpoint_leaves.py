@@ -12,16 +12,16 @@ import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from jaxmirror.core import _compat
+from jaxmirror.core.stateful import is_opaque
 from jaxmirror.core.values import DistributedValues, Mirrored
 from jaxmirror.variables.variable import Variable
 
 SCALARS = (bool, int, float, complex)
 
 
-def is_leaf(x) -> bool:
-    """A checkpoint's leaves: variables, and distributed values (one value each, not their
-    stacked or inner arrays)."""
-    return isinstance(x, (Variable, DistributedValues))
+# A checkpoint's leaves: variables, and distributed values (one value each, not their stacked
+# or inner arrays): what tree maps hand over whole.
+is_leaf = is_opaque
 
 
 def where(path) -> str:

@@ -86,7 +86,7 @@ class _DistributedVariable(Variable, DistributedValues):
             return Mirrored(self._state, n) if n > 1 else self._state
         if n == 1:
             return slot.value
-        if slot.mirrored and not self._on_read:
+        if slot.mirrored and not self.always_per_replica:
             return Mirrored(slot.value, n)
         return GatheredPerReplica(slot.value, binding.current().axis_name)
 
@@ -170,7 +170,8 @@ class SyncOnReadVariable(_DistributedVariable, synchronization=Sync.ON_READ):
     """
 
     @property
-    def _on_read(self) -> bool:
+    def always_per_replica(self) -> bool:
+        """True: each replica keeps its own component, aggregated only when read."""
         return True
 
     def _cross_op(self):

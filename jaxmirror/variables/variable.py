@@ -10,8 +10,9 @@ happens decides what it does:
 * outside ``run``: ``_eager_*``, on the stored array;
 * inside ``extended.update``'s function: components are read and written as they are.
 
-A variable's state (one array, or a ``PerReplica`` of components) is private to this module:
-other modules read it with ``state_of`` and write it only with ``write_back``.
+A variable's state (one array, or a ``PerReplica`` of components) belongs to the variable
+classes (``Variable`` here and its subclasses in ``distributed.py``): other modules read it with
+``state_of`` and write it only with ``write_back``.
 """
 
 from __future__ import annotations
@@ -170,6 +171,11 @@ class Variable(ArrayOperators, Stateful):
         """Whether the state holds one component per replica (a replica-stacked array)."""
         return isinstance(self._state, PerReplica)
 
+    @property
+    def always_per_replica(self) -> bool:
+        """Whether the components stay one per replica even when they agree (sync-on-read)."""
+        return False
+
     def check_usable_in(self, strategy) -> None:
         """Raise ``ValueError`` unless a step of ``strategy`` may use this variable.
 
@@ -201,16 +207,13 @@ class Variable(ArrayOperators, Stateful):
     def _placement(self):
         return self._strategy.extended.placement
 
-    @property
-    def _on_read(self) -> bool:
-        return False
 
     def _placed(self, value):
         """The state holding ``value`` in every component, placed as this variable's is."""
         if self._strategy is None:
             return jnp.asarray(value)
         placement = self._placement
-        if self._on_read and placement.num_replicas > 1:
+        if self.always_per_replica and placement.num_replicas > 1:
             return placement.stack_copies(value)
         return placement.replicate(value)
 
@@ -422,6 +425,7 @@ def state_from_components(var, values: list):
     Returns:
         The new state, placed like ``var``'s (copied where the caller may still hold it).
     """
-    if len(values) > 1:
+    if var._strategy is not None and len(values) > 1:
         return var._placement.stack_components([np.asarray(x) for x in values])
+    # A plain variable has one component: every round of an update wrote the same value.
     return var._placed(owned_copy(values[0]))
