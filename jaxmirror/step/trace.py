@@ -78,20 +78,19 @@ def _bind_inputs(frame, strategy, values, n_args, bound) -> list:
     return user
 
 
-def _written_outputs(frame, bound, num_replicas: int) -> dict:
-    """What ``Traced`` records of the variables the step assigned."""
-    positions, arg_vars, captured = bound or ((), (), ())
+def _written_outputs(frame, bound, num_replicas: int) -> tuple:
+    """``(written, varying, values)`` of the variables the step assigned: each one's index among
+    the bound variables, whether its output stays per replica, and its new traced value."""
+    _, arg_vars, captured = bound or ((), (), ())
     slots = frame.written()
     # Which variable each write is for: its index among the bound ones (arguments' first, then
     # captured), a plain dict key, so jit rebuilds the writes in C++.
     bound_vars = list(arg_vars) + list(captured)
     index = {id(v): bound_vars.index(v) for v in reversed(bound_vars)}
-    return dict(
-        written=tuple(index[id(s.var)] for s in slots),
-        # A sync-on-read variable keeps one component per replica, even when they agree.
-        written_varying=[s.var.always_per_replica and num_replicas > 1 for s in slots],
-        values=[jnp.asarray(s.value) for s in slots],
-    )
+    written = tuple(index[id(s.var)] for s in slots)
+    # A sync-on-read variable keeps one component per replica, even when they agree.
+    varying = [s.var.always_per_replica and num_replicas > 1 for s in slots]
+    return written, varying, [jnp.asarray(s.value) for s in slots]
 
 
 def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=()) -> Traced:
@@ -135,14 +134,14 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=()) -> Tra
         if frame.discovered:
             raise binding.Discovered(tuple(frame.discovered))
         smallest = min(range(len(outs)), key=lambda i: outs[i].size, default=None)
-        writes = _written_outputs(frame, bound, placement.num_replicas)
+        written, varying, new_values = _written_outputs(frame, bound, placement.num_replicas)
         found.update(
             out_tree=tree,
             handle_path=() if smallest is None else _getters(with_paths[smallest][0]),
-            written=writes["written"],
-            force_varying=[False] * len(outs) + writes["written_varying"],
+            written=written,
+            force_varying=[False] * len(outs) + varying,
         )
-        return outs + writes["values"]
+        return outs + new_values
 
     avals = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in local]
     # Traced with every input and output replicated, i.e. on per-replica values; ``emit`` picks
