@@ -25,6 +25,7 @@ bench: install
 	$(PY) benchmarks/step_overhead.py
 	$(PY) benchmarks/variables.py
 	$(PY) benchmarks/input_pipeline.py
+	$(PY) benchmarks/tf_loop.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

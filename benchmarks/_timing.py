@@ -143,8 +143,26 @@ def steps_and_cases(ap, args, models_table: dict, flag: str):
         steps["tiny"] = args.steps_tiny
     if args.steps_small is not None:
         steps["small"] = args.steps_small
-    ns = [int(s) for s in args.devices.split(",")]
-    models = [m.strip() for m in args.models.split(",")]
+    checked = devices_and_models(ap, args.devices, args.models, models_table, flag)
+    return None if checked is None else (steps, *checked)
+
+
+def devices_and_models(ap, devices: str, model_names: str, models_table, flag: str):
+    """The ``--devices`` and model options, checked against the table and JAX's devices.
+
+    Args:
+        ap: the script's ``argparse.ArgumentParser`` (for ``ap.error``).
+        devices: comma-separated replica counts.
+        model_names: comma-separated model names.
+        models_table: the known model names (a dict or set).
+        flag: the ``XLA_FLAGS`` setting the script made, for the error message.
+
+    Returns:
+        ``(ns, models)``, or ``None`` (after a message on stderr) when JAX has fewer devices
+        than asked for.
+    """
+    ns = [int(s) for s in devices.split(",")]
+    models = [m.strip() for m in model_names.split(",")]
     for m in models:
         if m not in models_table:
             ap.error(f"unknown model {m!r}; choose from {sorted(models_table)}")
@@ -152,4 +170,4 @@ def steps_and_cases(ap, args, models_table: dict, flag: str):
         print(f"need {max(ns)} devices, JAX has {jax.device_count()}: XLA_FLAGS must be set before "
               f"JAX starts (this script sets {flag}).", file=sys.stderr)
         return None
-    return steps, ns, models
+    return ns, models

@@ -293,7 +293,7 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
     forms = {
         "baseline: jitted shard_map call": lambda: case.base_step(params, opt_state, bx, by),
         "jaxmirror: Program._jitted only (jit of _trace)":
-            lambda: prog._jitted(None, (), params, opt_state, x, y),
+            lambda: prog.program._jitted(None, (), params, opt_state, x, y),
         "jaxmirror: step(...), i.e. Program.__call__": lambda: prog(params, opt_state, x, y),
         "jaxmirror: strategy.run(fn, args=...)":
             lambda: strategy.run(prog.fn, args=(params, opt_state, x, y)),
@@ -310,13 +310,13 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         # The handle must come from the trace-time key path (no flattening fallback): the
         # smallest output array.
         leaves = jax.tree.leaves(out)
-        handle = functools.reduce(lambda t, get: get(t), prog._handle_path, out)
-        assert prog._handle(out) is handle and any(handle is leaf for leaf in leaves), handle
+        handle = functools.reduce(lambda t, get: get(t), prog.program._handle_path, out)
+        assert prog.program._handle(out) is handle and any(handle is leaf for leaf in leaves), handle
         assert handle.size == min(leaf.size for leaf in leaves), handle.shape
         if case.bounded:
             for _ in range(MAX_IN_FLIGHT):  # steady state: a full queue of finished steps
                 _inflight.track_array(handle)
-            tracked = _per_call(lambda: _inflight.track_array(prog._handle(out)), 2000, 7)
+            tracked = _per_call(lambda: _inflight.track_array(prog.program._handle(out)), 2000, 7)
             _inflight.drain()
             loss = out[-1]
             queue = collections.deque([loss] * MAX_IN_FLIGHT)
@@ -363,7 +363,7 @@ def ablation(case: Case, rounds: int, steps: int) -> list[tuple[str, float, floa
     prog = case.jm_step
 
     def jitted_only(*a):
-        return prog._jitted(None, (), *a)[0]
+        return prog.program._jitted(None, (), *a)[0]
 
     loops = [case.base, case.jm,
              Loop(JITTED_ONLY, jitted_only, case.jm_batches, case.base.state, bound=case.bounded)]

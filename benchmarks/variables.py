@@ -75,7 +75,7 @@ import jaxmirror  # noqa: E402
 from jaxmirror.core import _compat, inflight as _inflight  # noqa: E402  (the bound; --breakdown's pieces)
 from jaxmirror.step.program import _take_variables  # noqa: E402  (timed by --breakdown)
 from jaxmirror.step.program import check_can_run  # noqa: E402  (timed by --breakdown)
-from jaxmirror.variables.variable import state_of, write_back  # noqa: E402  (the same)
+from jaxmirror.variables.state import state_of, write_back  # noqa: E402  (the same)
 from _timing import dispatch, init_params, mlp, steps_and_cases  # noqa: E402  (shared)
 from _timing import more_rounds  # noqa: E402
 from _timing import one_call as _one_call, per_call as _per_call  # noqa: E402
@@ -370,7 +370,7 @@ def _jit_args(prog, args):
     differs from the step's would build a second program: ``check_counts`` would fail.
     """
     key, args, _ = _take_variables(args, {}, prog._captured)
-    return key, tuple(map(state_of, prog._captured)), args
+    return prog._binding(key), tuple(map(state_of, prog._captured)), args
 
 
 def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
@@ -383,8 +383,9 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
     write-back. Piece rows: timeit-style loops (median of 7), warm caches, so smaller than in situ.
     """
     case.sync()
-    pa, pb, pc, base = case.pytree_step, case.closure_step, case.args_step, case.base_step
-    vars_c, captured = case.vars_c, case.closure_step._captured
+    pa, pb, pc, base = (case.pytree_step.program, case.closure_step.program,
+                        case.args_step.program, case.base_step)
+    vars_c, captured = case.vars_c, pb._captured
     x, y = case.jm_batches[0]
     bx, by = case.base_batches[0]
     key_b, _, _ = _jit_args(pb, (x, y))
@@ -395,7 +396,7 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         return loss
 
     def pytree_call():
-        held["a"], loss = pa(held["a"], x, y)
+        held["a"], loss = case.pytree_step(held["a"], x, y)
         return loss
 
     def pytree_jitted():
@@ -411,10 +412,10 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         "baseline: jitted shard_map call": baseline_call,
         "(a) pytree: step(params, x, y)": pytree_call,
         "(a) pytree: Program._jitted only": pytree_jitted,
-        "(b) vars closure: step(x, y)": lambda: pb(x, y),
+        "(b) vars closure: step(x, y)": lambda: case.closure_step(x, y),
         "(b) vars closure: Program._jitted only (key built once), then the write-back":
             closure_jitted,
-        "(c) vars args: step(vars, x, y)": lambda: pc(vars_c, x, y),
+        "(c) vars args: step(vars, x, y)": lambda: case.args_step(vars_c, x, y),
     }
     times = _shuffled_rounds({k: functools.partial(_one_call, f) for k, f in forms.items()},
                              samples)
@@ -455,7 +456,7 @@ def ablation(case: Case, rounds: int, steps: int,
     to the pytree step within a round, rounds).
     """
     case.sync()
-    pa, pb, bounded = case.pytree_step, case.closure_step, case.bounded
+    pa, pb, bounded = case.pytree_step.program, case.closure_step.program, case.bounded
     key_b, _, _ = _jit_args(pb, tuple(case.jm_batches[0]))
     captured = pb._captured
 

@@ -45,7 +45,7 @@ def test_decorator_on_function_with_positional_parameter_returns_step():
     def step(params, batch):
         return params + jm.get_replica_context().all_reduce("sum", batch)
 
-    assert callable(step) and isinstance(step, jm.step.program.Program)
+    assert callable(step) and isinstance(step, jm.step.program.Step)
     b = per_replica(s, lambda i: np.float32(i + 1))
     assert float(step(jnp.float32(10), b)) == 13.0
 
@@ -71,7 +71,7 @@ def test_decorator_run_and_function_share_one_program():
         return x + rid()
 
     step = s.run(fn)
-    assert s.function(fn) is step
+    assert s.function(fn).program is step.program
     step(jnp.ones(3))
     s.run(fn, args=(jnp.ones(3),))
     s.run(fn, args=[jnp.zeros(3)])

@@ -75,7 +75,7 @@ def test_extended_basics():
 
 def test_errors_before_device_work_leave_no_program_behind():
     s = mirrored(2)
-    before = dict(s._programs)
+    before = s._programs.programs()
     with pytest.raises(ValueError):
         s.run(lambda x: x, args=3)
-    assert s._programs == before
+    assert s._programs.programs() == before

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from jax._src import core as _core  # trace_state_clean has no public spelling in 0.10
+from jax._src import dispatch as _dispatch  # nor JAX's per-device effect tokens
 from jax._src import xla_bridge as _xla_bridge  # nor whether the backend has started
 from jax._src.interpreters import partial_eval as _pe  # nor the jaxpr-recording trace
 from jax._src.lax import parallel as _parallel  # nor these collectives' primitives
@@ -21,6 +22,8 @@ Literal = jex_core.Literal
 Primitive = jex_core.Primitive
 jaxpr_as_fun = jex_core.jaxpr_as_fun
 jaxprs_in_params = jex_core.jaxprs_in_params
+# jaxpr_as_fun turns jax_debug_nans off while it evaluates; this is the evaluation without that.
+eval_jaxpr = _core.eval_jaxpr  # no public spelling in 0.10
 
 P = PartitionSpec
 
@@ -45,6 +48,21 @@ def shard_map(fn, mesh, in_specs, out_specs):
     all-reduce of the upstream gradient, as in TF.
     """
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def forget_failed_effect_tokens() -> None:
+    """Drop JAX's per-device effect tokens that carry a failed computation's error.
+
+    JAX keeps the token of the last computation with host callbacks on each device, and waits
+    on it in ``jax.effects_barrier()`` and at exit; a failed step's token would raise its error
+    again there, from an unrelated place (or print it at exit). Called once a failure is known.
+    """
+    tokens = _dispatch.runtime_tokens.output_runtime_tokens
+    for device, token in list(tokens.items()):
+        try:
+            token.block_until_ready()
+        except Exception:  # noqa: BLE001 - that computation failed: its error is reported already
+            tokens.pop(device, None)
 
 
 def is_tracer(x) -> bool:
@@ -90,8 +108,8 @@ def backend_started() -> bool:
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec", "Primitive",
-    "abstract_key", "backend_started", "current_trace", "is_staging", "is_tracer",
-    "jaxpr_as_fun", "jaxprs_in_params", "local_abstract_key", "make_mesh", "pbroadcast_p",
-    "psum_invariant_p", "pvary_p", "reduce_scatter_p", "set_cpu_device_count", "shard_map",
-    "trace_state_clean",
+    "abstract_key", "backend_started", "current_trace", "eval_jaxpr",
+    "forget_failed_effect_tokens", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
+    "local_abstract_key", "make_mesh", "pbroadcast_p", "psum_invariant_p", "pvary_p",
+    "reduce_scatter_p", "set_cpu_device_count", "shard_map", "trace_state_clean",
 ]

@@ -47,9 +47,7 @@ def track_array(x) -> None:
         return  # no array, or a step traced inside the user's own jit/scan: nothing dispatched
     _queue.append(x)
     if len(_queue) > MAX_IN_FLIGHT:
-        oldest = _queue.popleft()
-        if not oldest.is_deleted():  # donated into a later step, which ran after it
-            oldest.block_until_ready()
+        _wait(_queue.popleft())
 
 
 def tracked(placement, outputs):
@@ -72,6 +70,19 @@ def tracked(placement, outputs):
 def drain() -> None:
     """Wait for every tracked step (tests and benchmarks start from an empty queue)."""
     while _queue:
-        oldest = _queue.popleft()
-        if not oldest.is_deleted():
-            oldest.block_until_ready()
+        _wait(_queue.popleft())
+
+
+def _wait(x) -> None:
+    """Wait for a tracked step; its failure is not this caller's to raise.
+
+    A step that failed at run time reports its error through its own results (and its writes
+    are rolled back by the variables' state); raising it here would raise it from a later,
+    unrelated call.
+    """
+    if x.is_deleted():  # donated into a later step, which ran after it
+        return
+    try:
+        x.block_until_ready()
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass

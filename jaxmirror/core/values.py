@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmirror.core import _compat
+from jaxmirror.core.bits import moved
 
 
 class DistributedValues:
@@ -148,7 +149,10 @@ class GatheredPerReplica(PerReplica):
     @property
     def stacked(self):
         if self._stacked is None:
-            self._stacked = jax.lax.all_gather(self._local, self._axis_name)
+            # As bit patterns: XLA on CPU all-gathers bfloat16 through float32 (NaN payloads
+            # lost).
+            self._stacked = moved(lambda x: jax.lax.all_gather(x, self._axis_name),
+                                  self._local)
         return self._stacked
 
     @property

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmirror.core import _compat, context
+from jaxmirror.core.bits import as_bits, from_bits
 from jaxmirror.core.reduce_op import ReduceOp, as_reduce_op
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import (GatheredPerReplica, Mirrored, PerReplica, host_counts,
@@ -172,7 +173,32 @@ def _real_row_concat(u: _Uneven):
     stacked = jnp.asarray(u.stacked)
     n, size = stacked.shape[:2]
     rows = [i * size + r for i in range(n) for r in range(u.counts[i])]
-    return stacked.reshape((n * size,) + stacked.shape[2:])[jnp.asarray(rows, jnp.int32)]
+    return _take_bits(stacked.reshape((n * size,) + stacked.shape[2:]),
+                      jnp.asarray(rows, jnp.int32))
+
+
+def _take_bits(x, rows):
+    """``x[rows]`` that moves bits and never computes on them.
+
+    On a sharded ``x``, XLA partitions the gather as "each device gathers the rows it holds,
+    zeros elsewhere, then an all-reduce (sum)": on CPU the sum flushes subnormal floats to
+    zero, turns -0.0 into 0.0 and quiets signalling NaNs. So the rows move as bit patterns
+    (``core.bits.as_bits``: unsigned integers, whose sums with zeros are exact).
+
+    Args:
+        x: an array (possibly sharded), the rows along axis 0.
+        rows: an int array of row indices.
+
+    Returns:
+        ``x[rows]``, bit for bit.
+
+    Example:
+        >>> import numpy as np, jax.numpy as jnp
+        >>> tiny = np.array([1e-45, -0.0], np.float32)
+        >>> _take_bits(jnp.asarray(tiny), jnp.array([1, 0])).view(jnp.uint32).tolist()
+        [2147483648, 1]
+    """
+    return from_bits(as_bits(x)[rows], x.dtype)
 
 
 def _reduce_gathered(op: ReduceOp, x: GatheredPerReplica, axis, n: int):

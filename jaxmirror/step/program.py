@@ -6,7 +6,10 @@ and (on CPU) one append to the in-flight queue. All the Python work happens once
 signature, while ``jax.jit`` traces ``_trace``: it traces the user's function once on
 per-replica values (``trace.trace_replica``), decides which outputs are replicated, and emits
 that jaxpr for the inputs' real placement (``trace.emit``). The variables' new arrays come back
-as extra outputs and are stored once the call has returned (``variables.variable.write_back``).
+as extra outputs and are stored open (``variables.state.write_open``): committed once the step
+is known to have succeeded, rolled back if it failed. A step with variables reads, dispatches
+and stores under ``variables.state.lock``. ``Step`` is what users hold: it keeps the function
+alive, the program does not (``program_cache``).
 
 Variables reached by closure are found by the first trace and passed in from then on; variables
 passed as arguments are swapped for their arrays. The user's function is never traced a second
@@ -15,8 +18,9 @@ time for the same per-replica signature.
 
 from __future__ import annotations
 
-import functools
 import inspect
+import types
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +28,10 @@ import jax.numpy as jnp
 from jaxmirror.core import _compat, binding, context, inflight
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
-from jaxmirror.step.trace import Traced, emit, trace_replica
-from jaxmirror.variables.variable import state_of, write_back
+from jaxmirror.step.arguments import check_arguments
+from jaxmirror.step.trace import Traced, emit, run_op_by_op, trace_replica
+from jaxmirror.variables import state
+from jaxmirror.variables.state import state_of
 
 
 def wants_arguments(fn) -> bool:
@@ -64,40 +70,46 @@ def check_can_run(strategy) -> None:
 class Program:
     """``fn`` compiled for every replica of ``strategy``; call it like ``fn``.
 
+    A program does not keep ``fn`` alive (the strategy's cache keeps the program exactly as long
+    as ``fn`` lives; ``Step`` is what keeps ``fn`` for a user), and neither do JAX's global
+    compilation caches keep its variables alive (see ``_Binding``).
+
     Args:
         strategy: the strategy whose devices run the program.
         fn: the step function, written for one replica.
         donate_argnums: positional arguments whose buffers the outputs may reuse.
+        weak: hold ``fn`` by a weak reference (False for callables that cannot be).
     """
 
-    def __init__(self, strategy, fn, donate_argnums=()):
+    def __init__(self, strategy, fn, donate_argnums=(), weak=True):
         self._strategy = strategy
-        self._fn = fn
+        if not weak:
+            self._fn_ref = lambda: fn
+        elif isinstance(fn, types.MethodType):
+            self._fn_ref = weakref.WeakMethod(fn)
+        else:
+            self._fn_ref = weakref.ref(fn)
+        self.wants_arguments = wants_arguments(fn)  # see Strategy.run
         self.trace_count = 0  # how often the user's function was traced
         self.compile_count = 0  # how often jax.jit traced (and so compiled) this program
         self._traced = {}  # per-replica input signature -> Traced
         self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended.placement.bound_in_flight
+        self._single = strategy.extended.placement.num_replicas == 1  # often done at return
         self._donate_argnums = tuple(donate_argnums)
         self._variable_args = False  # the step was given variables as arguments
         self._captured = ()  # variables the step reaches by closure, found while tracing
         self._captured_key = None  # the binding of a call without variable arguments
+        self._bindings = {}  # (positions, variables, captured) -> its _Binding
         # jit arguments: (variable binding (static), captured variables' arrays, *args, **kwargs)
         self._jitted = jax.jit(self._trace, static_argnums=0,
                                donate_argnums=tuple(i + 2 for i in donate_argnums))
-        self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
-        self.__doc__ = getattr(fn, "__doc__", None)
-
-    @functools.cached_property
-    def wants_arguments(self) -> bool:
-        """Whether ``fn`` has a required positional parameter (see ``Strategy.run``)."""
-        return wants_arguments(self._fn)
 
     @property
     def fn(self):
-        """The user's per-replica function."""
-        return self._fn
+        """The user's per-replica function (``None`` once nothing else holds it)."""
+        return self._fn_ref()
 
     def __call__(self, *args, **kwargs):
         check_can_run(self._strategy)
@@ -108,39 +120,52 @@ class Program:
             if captured:  # TF's usual style: variables by closure, nothing to flatten per call
                 if not _compat.trace_state_clean():
                     raise self._transformed_error()
-                out, token, writes = self._jitted(self._captured_key,
-                                                  tuple(map(state_of, captured)), *args, **kwargs)
+                with state.lock:  # read, dispatch, write back: one update at a time
+                    state.poll()
+                    out, token, writes = self._jitted(self._captured_key,
+                                                      tuple(map(state_of, captured)),
+                                                      *args, **kwargs)
+                    if writes:
+                        state.write_open(captured, writes, out is not None, self._single)
             else:
                 out, token, writes = self._jitted(None, (), *args, **kwargs)
         except binding.Discovered as found:  # the step reads variables by closure
             self._capture(found.variables)
             return self(*args, **kwargs)
-        except (TypeError, ValueError):  # jax.jit refuses Variable arguments
+        except (TypeError, ValueError):  # jax.jit refuses Variable arguments, and bad ones
+            check_arguments(args, kwargs, "run")  # a bad one: name it, in place of JAX's error
             if not _has_variables(args, kwargs):
                 raise
             self._variable_args = True
             return self._call_with_variable_args(args, kwargs)
-        return self._finish(out, token, writes, captured)
+        return self._finish(out, token)
 
     def _call_with_variable_args(self, args, kwargs):
         """A call whose arguments may hold variables: they go in as their arrays."""
         captured = self._captured
-        key, a, k = _take_variables(args, kwargs, captured)
-        if (key[1] or captured) and not _compat.trace_state_clean():
-            raise self._transformed_error()
-        if key[1] and self._donate_argnums:
-            self._check_not_donating_variables(args)
         try:
-            out, token, writes = self._jitted(key, tuple(map(state_of, captured)), *a, **k)
+            with state.lock:  # read, dispatch, write back: one update at a time
+                state.poll()  # first: a step seen to have failed is rolled back before the read
+                key, a, k = _take_variables(args, kwargs, captured)
+                variables = key[1] + captured
+                bound = self._binding(key)
+                if variables and not _compat.trace_state_clean():
+                    raise self._transformed_error()
+                if key[1] and self._donate_argnums:
+                    self._check_not_donating_variables(args)
+                out, token, writes = self._jitted(bound, tuple(map(state_of, captured)), *a, **k)
+                if writes:
+                    state.write_open(variables, writes, out is not None, self._single)
         except binding.Discovered as found:
             self._capture(found.variables)
             return self._call_with_variable_args(args, kwargs)
-        return self._finish(out, token, writes, key[1] + captured)
+        except (TypeError, ValueError):
+            check_arguments(args, kwargs, "run")  # a bad argument: name it, in place of JAX's
+            raise
+        return self._finish(out, token)
 
-    def _finish(self, out, token, writes: dict, variables: tuple):
-        """The call succeeded: every write lands, and the call counts against the bound."""
-        if writes:
-            write_back(variables, writes)
+    def _finish(self, out, token):
+        """The call was dispatched: it counts against the in-flight bound."""
         if self._track:
             inflight.track_array(token if token is not None else self._handle(out))
         return out
@@ -176,7 +201,14 @@ class Program:
 
     def _capture(self, variables: tuple) -> None:
         self._captured = self._captured + variables
-        self._captured_key = ((), (), self._captured)
+        self._captured_key = self._binding(((), (), self._captured))
+
+    def _binding(self, key: tuple) -> "_Binding":
+        """The one ``_Binding`` of ``key`` (static arguments are compared by identity)."""
+        binding_ = self._bindings.get(key)
+        if binding_ is None:
+            binding_ = self._bindings[key] = _Binding(*key)
+        return binding_
 
     def _transformed_error(self) -> RuntimeError:
         return RuntimeError(
@@ -200,7 +232,11 @@ class Program:
 
     # -- trace time only -------------------------------------------------------------------
     def _trace(self, bound, captured_states, *args, **kwargs):
-        self.compile_count += 1
+        # Called with concrete arrays, not traced: jax_debug_nans/infs saw a NaN or inf in the
+        # outputs and calls the function un-jitted to find the operation that made it.
+        op_by_op = _compat.trace_state_clean()
+        self.compile_count += not op_by_op
+        check_arguments(args, kwargs, "run")  # once per signature: jax.jit takes ragged lists
         leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         n_args = len(leaves)
         # Batches from a distributed dataset: their row counts go in as replicated operands
@@ -218,6 +254,10 @@ class Program:
                 for x, s in zip(leaves, stacked)] + counts
         local = tuple(_compat.local_abstract_key(x, s) for x, s in zip(flat, stacked))
         traced = self._traced_for(in_tree, n_args, local, bound, padded)
+        if op_by_op:
+            with jax.disable_jit():
+                run_op_by_op(traced, flat, stacked, self._strategy.extended.placement)
+            return None, None, {}  # no NaN op by op: JAX raises its own error about that
         self._handle_path = traced.handle_path
         outs = emit(traced, flat, stacked, self._strategy.extended.placement, len(counts))
         n_out = len(outs) - len(traced.written)
@@ -238,11 +278,87 @@ class Program:
         traced = self._traced.get(key)
         if traced is None:
             self.trace_count += 1
-            traced = trace_replica(self._strategy, self._fn, in_tree, n_args, local, bound,
-                                   padded)
+            traced = trace_replica(self._strategy, self._fn_ref(), in_tree, n_args, local,
+                                   None if bound is None else bound.resolve(), padded)
             if not any(_compat.is_tracer(c) for c in traced.jaxpr.consts):
                 self._traced[key] = traced
         return traced
+
+
+class _Binding:
+    """The static jit argument naming the variables a call binds, without keeping them alive.
+
+    JAX's compilation caches are global and keep a jitted function's static arguments until the
+    function is collected; a tuple of variables there would keep the variables, their strategy,
+    its programs and so the jitted function itself alive for ever. A ``_Binding`` holds weak
+    references and compares by identity: ``Program._binding`` makes one per binding.
+    """
+
+    __slots__ = ("_positions", "_arguments", "_captured", "__weakref__")
+
+    def __init__(self, positions: tuple, variables: tuple, captured: tuple):
+        self._positions = positions
+        self._arguments = tuple(map(weakref.ref, variables))
+        self._captured = tuple(map(weakref.ref, captured))
+
+    def resolve(self) -> tuple:
+        """``(positions, variables, captured)`` as ``trace.trace_replica`` takes them."""
+        return (self._positions, tuple(r() for r in self._arguments),
+                tuple(r() for r in self._captured))
+
+
+class Step:
+    """A step function compiled for every replica of a strategy; call it like the function.
+
+    What ``@strategy.run`` and ``strategy.function`` return. The step holds the function, and
+    the strategy keeps the compiled program for exactly as long as the function lives: a step
+    (or function) you let go of takes its compiled program with it.
+
+    Args:
+        program: the ``Program`` that runs it.
+        fn: the user's per-replica function.
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> @s.function
+        ... def step(x):
+        ...     return x + 1
+        >>> float(step(1.0)), step.trace_count
+        (2.0, 1)
+    """
+
+    def __init__(self, program: Program, fn):
+        self._program = program
+        self.__wrapped__ = fn
+        self.__name__ = program.__name__
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __call__(self, *args, **kwargs):
+        return self._program(*args, **kwargs)
+
+    @property
+    def program(self) -> Program:
+        """The compiled program (shared with ``strategy.run(fn, args)``)."""
+        return self._program
+
+    @property
+    def fn(self):
+        """The user's per-replica function."""
+        return self.__wrapped__
+
+    @property
+    def trace_count(self) -> int:
+        """How often the user's function was traced."""
+        return self._program.trace_count
+
+    @property
+    def compile_count(self) -> int:
+        """How often a program was built for it (a new placement of the inputs builds one)."""
+        return self._program.compile_count
+
+    def __repr__(self) -> str:
+        return repr(self._program)
 
 
 def _has_variables(args, kwargs) -> bool:

@@ -9,6 +9,7 @@ from jax import lax
 from jaxmirror.core import _compat, context
 from jaxmirror.core.reduce_op import ReduceOp, as_reduce_op
 from jaxmirror.core.stateful import is_opaque
+from jaxmirror.core.bits import moved
 from jaxmirror.core.values import GatheredPerReplica, Mirrored, PerReplica
 
 
@@ -174,9 +175,14 @@ class ReplicaContext:
         if self._axis_name is None:
             return value
         it = iter(axes)
-        return jax.tree.map(
-            lambda x: lax.all_gather(x, self._axis_name, axis=next(it), tiled=True), value
-        )
+
+        def gather(x):
+            axis_ = next(it)
+            # As bit patterns: XLA on CPU all-gathers bfloat16 through float32 (NaN payloads
+            # lost).
+            return moved(lambda a: lax.all_gather(a, self._axis_name, axis=axis_, tiled=True), x)
+
+        return jax.tree.map(gather, value)
 
     def merge_call(self, merge_fn, args=(), kwargs=None):
         """Run ``merge_fn`` once in cross-replica context with every replica's arguments.

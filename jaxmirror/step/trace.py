@@ -155,6 +155,39 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=()) -> Tra
     return Traced(jaxpr=traced, row_source=row_source, **found)
 
 
+def run_op_by_op(traced: Traced, flat: list, stacked: tuple, placement) -> list:
+    """The traced body run one operation at a time, the replicas a ``vmap`` axis.
+
+    This is how ``jax_debug_nans``/``jax_debug_infs`` find the operation that made a NaN or
+    inf: JAX calls the jitted function again un-jitted, and each operation here is checked on
+    its own. (Eager ``shard_map`` would recurse: it re-jits its inputs and outputs, which hold
+    the NaN.) Collectives work as in the step: ``vmap`` binds the same axis name.
+
+    Args:
+        traced: the trace to run.
+        flat: the flat inputs as arrays (stacked ones with the replica axis first).
+        stacked: per flat input, whether it is replica-stacked.
+        placement: the strategy's ``Placement`` (its axis name).
+
+    Returns:
+        The outputs, each stacked over the replicas (only its errors matter to JAX).
+    """
+    (eqn,) = traced.jaxpr.jaxpr.eqns
+    env = dict(zip(traced.jaxpr.jaxpr.constvars, traced.jaxpr.consts))
+    env.update(zip(traced.jaxpr.jaxpr.invars, flat))
+    is_stacked = dict(zip(traced.jaxpr.jaxpr.invars, stacked))
+    operands = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
+    axes = [0 if not isinstance(v, _compat.Literal) and is_stacked.get(v, False) else None
+            for v in eqn.invars]
+    inner = eqn.params["jaxpr"]
+
+    def body(*ops):  # jaxpr_as_fun would turn the NaN checks off
+        return _compat.eval_jaxpr(inner, (), *ops)
+
+    return jax.vmap(body, in_axes=axes, axis_name=placement.axis_name,
+                    axis_size=placement.num_replicas)(*operands)
+
+
 def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int) -> list:
     """The traced body under ``shard_map`` with the inputs' real placement.
 

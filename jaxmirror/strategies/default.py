@@ -24,7 +24,7 @@ class _DirectCall:
         self._strategy = strategy
         self._fn = fn
         self.trace_count = self.compile_count = 0
-        self.__wrapped__ = fn
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
 
     @property
     def wants_arguments(self) -> bool:
@@ -48,8 +48,8 @@ class DefaultStrategy(Strategy):
     def __init__(self):
         super().__init__(StrategyExtended(self, [jax.devices()[0]]))
 
-    def _make_program(self, fn, options):
-        return _DirectCall(self, fn)
+    def _program(self, fn, options):
+        return _DirectCall(self, fn)  # nothing compiled, so nothing to cache
 
     @contextlib.contextmanager
     def scope(self):

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 
 from jaxmirror.core import context, inflight
 from jaxmirror.step import cross_replica
-from jaxmirror.step.program import Program
+from jaxmirror.step.program import Program, Step
+from jaxmirror.step.program_cache import ProgramCache
 from jaxmirror.step.run_options import RunOptions
 from jaxmirror.strategies.extended import StrategyExtended
 from jaxmirror.strategies.input_methods import InputMethods
 
 _NOT_GIVEN = object()
-_MAX_PROGRAMS = 256
 _DEFAULT_OPTIONS = RunOptions()
 
 
@@ -39,7 +38,7 @@ class Strategy(InputMethods):
 
     def __init__(self, extended: StrategyExtended):
         self._extended = extended
-        self._programs: collections.OrderedDict = collections.OrderedDict()
+        self._programs = ProgramCache(self)
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -90,20 +89,10 @@ class Strategy(InputMethods):
 
     # -- run ----------------------------------------------------------------------------------
     def _program(self, fn, options: RunOptions) -> Program:
-        """``fn``'s compiled program, from a least-recently-used cache of ``_MAX_PROGRAMS``."""
-        key = (fn, options.donate_argnums)
-        programs = self._programs
-        program = programs.get(key)
-        if program is None:
-            program = programs[key] = self._make_program(fn, options)
-            if len(programs) > _MAX_PROGRAMS:
-                programs.popitem(last=False)
-        else:
-            programs.move_to_end(key)  # in use: the last to be evicted
-        return program
-
-    def _make_program(self, fn, options: RunOptions):
-        return Program(self, fn, options.donate_argnums)
+        """``fn``'s compiled program, kept as long as ``fn`` lives (``ProgramCache``)."""
+        if isinstance(fn, Step):  # an already decorated step: its function's program
+            fn = fn.fn
+        return self._programs.get(fn, options.donate_argnums)
 
     def run(self, fn, args=_NOT_GIVEN, kwargs=None, options=None):
         """Run ``fn`` on every replica, or, used as a decorator, make a step that does.
@@ -158,7 +147,7 @@ class Strategy(InputMethods):
         program = self._program(fn, options or _DEFAULT_OPTIONS)
         if args is _NOT_GIVEN:
             if kwargs is None and options is None and program.wants_arguments:
-                return program  # the decorator form
+                return Step(program, fn)  # the decorator form
             args = ()
         return program(*args, **(kwargs or {}))
 
@@ -189,8 +178,8 @@ class Strategy(InputMethods):
         """
         options = RunOptions(donate_argnums=donate_argnums)
         if fn is None:
-            return lambda f: self._program(f, options)
-        return self._program(fn, options)
+            return lambda f: Step(self._program(f, options), f)
+        return Step(self._program(fn, options), fn)
 
     # -- cross-replica ------------------------------------------------------------------------
     def reduce(self, reduce_op, value, axis=None):

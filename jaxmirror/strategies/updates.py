@@ -20,7 +20,9 @@ from jaxmirror.core.values import (DistributedValues, GatheredPerReplica, Mirror
 from jaxmirror.step import cross_replica
 from jaxmirror.step.replica_context import this_replica
 from jaxmirror.variables.trees import read_values
-from jaxmirror.variables.variable import Variable, state_from_components, state_of, write_back
+from jaxmirror.variables import state as states
+from jaxmirror.variables.state import state_of, write_back
+from jaxmirror.variables.variable import Variable, state_from_components
 
 
 # -- reduce_to / batch_reduce_to ------------------------------------------------------------------
@@ -96,7 +98,8 @@ def update(strategy, var, fn, args=(), kwargs=None, group=True):
     frame = binding.current()
     if frame is not None and frame.discover:
         return _traced_update(strategy, frame, var, fn, args, kwargs, group)
-    return _eager_update(strategy, var, fn, args, kwargs, group)
+    with states.lock:  # a read-modify-write of the variables, as a step's is
+        return _eager_update(strategy, var, fn, args, kwargs, group)
 
 
 def _variables_in(tree) -> list:
@@ -130,6 +133,8 @@ def _eager_update(strategy, var, fn, args, kwargs, group):
     """``update`` outside ``run``: ``fn`` on the components, written back if every call succeeds."""
     n = strategy.num_replicas_in_sync if is_distributed(var) else 1
     variables = _variables_in((var, args, kwargs))
+    for v in variables:
+        states.settle(v)
     per_replica = [x for x in jax.tree.leaves((args, kwargs), is_leaf=is_opaque)
                    if isinstance(x, PerReplica)]
     if n > 1 and (per_replica or any(v.stored_per_replica for v in variables)):
@@ -141,7 +146,7 @@ def _eager_update(strategy, var, fn, args, kwargs, group):
     for i in rounds:
         # A variable ``fn`` reaches by closure is bound too, so its write waits like the others.
         frame = binding.Frame(strategy, None, discover=False,
-                              adopt=lambda v, i=i: _component(state_of(v), i))
+                              adopt=lambda v, i=i: _component(states.settled(v), i))
         for v in variables:
             state = state_of(v)
             frame.bind(v, components(state.stacked)[i] if isinstance(state, PerReplica) else state,

@@ -1,7 +1,8 @@
 """``jaxmirror.checkpoint``'s implementation: save, restore, to_saveable, restore_into.
 
 The rules (one cross-replica value per leaf; a restore assigns as a cross-replica ``assign``
-does) are in ``jaxmirror.checkpoint``'s docstring; ``checkpoint_leaves`` handles single leaves.
+does) are in ``jaxmirror.checkpoint``'s docstring; ``checkpoint_leaves`` handles single leaves,
+``checkpoint_files`` the atomic replace of a checkpoint directory.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import jax
 import numpy as np
 
 from jaxmirror.core import context
+from jaxmirror.variables import checkpoint_files as files
 from jaxmirror.variables import checkpoint_leaves as leaves
-from jaxmirror.variables.variable import Variable, state_of, write_back
-
-# Files an orbax checkpoint directory always has (tree metadata, step metadata).
-_CHECKPOINT_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
+from jaxmirror.variables import state
+from jaxmirror.variables.variable import Variable
 
 
 def _ocp():
@@ -39,10 +39,6 @@ def _as_directory(directory, fn: str) -> str:
                         f"got {type(directory).__name__} {directory!r}.")
     # Orbax writes through tensorstore, which needs absolute paths.
     return os.path.abspath(os.fspath(directory))
-
-
-def _is_checkpoint(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, m)) for m in _CHECKPOINT_MARKERS)
 
 
 def to_saveable(tree):
@@ -89,6 +85,15 @@ def save(directory, tree, *, force=False):
     Each leaf is saved as its cross-replica value (see ``to_saveable``), so the checkpoint can be
     restored with any number of replicas. Returns once the checkpoint is completely written.
 
+    The save is atomic: the new checkpoint is written beside ``directory`` (in a hidden sibling
+    ``.<name>.jaxmirror-new-...`` of the same parent directory) and only then swapped in, in one
+    step (Linux's ``renameat2`` exchange; elsewhere two renames, whose gap ``save`` and
+    ``restore`` repair). A save killed at any point, SIGKILL included, leaves the previous
+    checkpoint (or, once the new one is complete, possibly the new one) restorable, never a
+    half-written one; a save that raises leaves the previous checkpoint as it was. The next
+    ``save`` deletes what killed saves left beside ``directory``. (In a multi-process JAX run,
+    orbax itself replaces the checkpoint, deleting the old one first: not atomic.)
+
     Args:
         directory: where to write, a str or ``os.PathLike`` (made absolute); it must not exist,
             be an empty directory, or (with ``force``) hold a checkpoint to replace. Missing
@@ -119,6 +124,8 @@ def save(directory, tree, *, force=False):
         >>> checkpoint.save(path, {"w": w}, force=True)   # replace it
         >>> sorted(os.listdir(path))[:2]
         ['_CHECKPOINT_METADATA', '_METADATA']
+        >>> os.listdir(os.path.dirname(path))   # nothing left beside it
+        ['ckpt']
     """
     _check_not_in_run("save")
     path = _as_directory(directory, "save")
@@ -130,22 +137,44 @@ def save(directory, tree, *, force=False):
     if not jax.tree.leaves(saveable):
         raise ValueError(f"jaxmirror.checkpoint.save: `tree` has no leaves to save (got "
                          f"{tree!r}); give a tree of variables or arrays.")
-    replace = _check_destination(path, force)
     ocp = _ocp()
-    # PyTreeCheckpointer saves synchronously: the checkpoint is complete when `save` returns.
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        checkpointer.save(path, args=ocp.args.PyTreeSave(saveable), force=replace)
+    if not _one_process():
+        # Orbax coordinates the processes of a multi-process run writing one path; the siblings
+        # here are named per process, so there the replace stays orbax's own (not atomic).
+        _check_destination(path, force)
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            checkpointer.save(path, args=ocp.args.PyTreeSave(saveable),
+                              force=os.path.lexists(path))
+        return
+    # A save killed between its two renames left `path` missing: put its checkpoint back before
+    # deciding whether `path` may be written.
+    files.recover(path)
+    files.remove_leftovers(path)
+    _check_destination(path, force)
+    new = files.sibling(path, "new")
+    try:
+        # PyTreeCheckpointer saves synchronously, into a temporary directory that it renames to
+        # `new` when complete: `new` never exists half-written.
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            checkpointer.save(new, args=ocp.args.PyTreeSave(saveable))
+        files.replace(new, path)
+    finally:
+        files.abandon(path, new)  # what a failed save left beside `path`; nothing after success
 
 
-def _check_destination(path: str, force: bool) -> bool:
-    """Whether ``save`` replaces what is at ``path``; raises where it may not write."""
+def _one_process() -> bool:
+    return jax.process_count() == 1
+
+
+def _check_destination(path: str, force: bool) -> None:
+    """Raises where ``save`` may not write ``path``."""
     if not os.path.lexists(path):
-        return False
+        return
     if not os.path.isdir(path):
         raise FileExistsError(f"jaxmirror.checkpoint.save: {path!r} exists and is not a "
                               f"directory; give a new directory.")
     if os.listdir(path):
-        if not _is_checkpoint(path):
+        if not files.is_checkpoint(path):
             raise FileExistsError(
                 f"jaxmirror.checkpoint.save: directory {path!r} is not empty and holds no "
                 f"orbax checkpoint, so it is not replaced, even with force=True; give a new or "
@@ -154,8 +183,6 @@ def _check_destination(path: str, force: bool) -> bool:
             raise FileExistsError(
                 f"jaxmirror.checkpoint.save: a checkpoint already exists in {path!r}; pass "
                 f"force=True to replace it, or give a new directory.")
-    # Orbax refuses any existing destination, an empty one included.
-    return True
 
 
 # -- restoring ------------------------------------------------------------------------------------
@@ -222,13 +249,14 @@ def restore_into(target, saved):
 def _assign_all_or_nothing(writes) -> None:
     """``var.assign(x)`` for each pair; if one fails, every variable gets its old state back."""
     variables = [var for var, _ in writes]
-    old = {i: state_of(var) for i, var in enumerate(variables)}
-    try:
-        for var, x in writes:
-            var.assign(x)
-    except BaseException:
-        write_back(variables, old)
-        raise
+    with state.lock:  # no step may write them between the snapshot and the assignments
+        old = {i: state.settled(var) for i, var in enumerate(variables)}
+        try:
+            for var, x in writes:
+                var.assign(x)
+        except BaseException:
+            state.write_back(variables, old)
+            raise
 
 
 def restore(directory, target):
@@ -275,12 +303,15 @@ def restore(directory, target):
     """
     _check_not_in_run("restore")
     path = _as_directory(directory, "restore")
+    # A save killed between its two renames left no checkpoint at `path` but a complete one
+    # beside it: put that back, so that a killed save never costs the checkpoint.
+    files.recover(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"jaxmirror.checkpoint.restore: no checkpoint at {path!r} (the "
                                 f"directory does not exist).")
-    if not os.path.isdir(path) or not _is_checkpoint(path):
+    if not os.path.isdir(path) or not files.is_checkpoint(path):
         raise ValueError(f"jaxmirror.checkpoint.restore: {path!r} is not an orbax checkpoint "
-                         f"directory (no {_CHECKPOINT_MARKERS[0]} file); give the directory "
+                         f"directory (no {files.MARKERS[0]} file); give the directory "
                          f"`save` wrote.")
     target_pairs = jax.tree_util.tree_flatten_with_path(target, is_leaf=leaves.is_leaf)[0]
     for p, leaf in target_pairs:

@@ -15,9 +15,11 @@ import numpy as np
 from jax import lax
 
 from jaxmirror.core import binding
+from jaxmirror.core.bits import moved
 from jaxmirror.core.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
 from jaxmirror.core.values import (DistributedValues, GatheredPerReplica, Mirrored, PerReplica,
                                    components)
+from jaxmirror.variables import state
 from jaxmirror.variables.assignment import combine, convert, owned_copy
 from jaxmirror.variables.variable import Variable
 
@@ -32,7 +34,8 @@ def _first_replica(x, axis_name):
     keep = lax.axis_index(axis_name) == 0
     if x.dtype == jnp.bool_:
         return lax.psum(jnp.where(keep, x, False).astype(jnp.int32), axis_name).astype(jnp.bool_)
-    return lax.psum(jnp.where(keep, x, jnp.zeros_like(x)), axis_name)
+    # A sum with zeros moves integers exactly, floats not (subnormals, -0.0, NaN payloads).
+    return moved(lambda a: lax.psum(jnp.where(keep, a, jnp.zeros_like(a)), axis_name), x)
 
 
 def _aggregate(agg: VariableAggregation, x, axis_name, n: int):
@@ -65,7 +68,8 @@ class _DistributedVariable(Variable, DistributedValues):
         """This process's components, one per local replica, as arrays."""
         return self._components()
 
-    def _components(self) -> tuple:
+    def _components(self, report: bool = True) -> tuple:
+        state.settle(self, report)
         if self.stored_per_replica:
             return components(self._state.stacked)
         n = self._placement.num_local_replicas if self._num_replicas > 1 else 1
@@ -81,6 +85,7 @@ class _DistributedVariable(Variable, DistributedValues):
         slot = self._slot()
         n = self._num_replicas
         if slot is None:
+            state.settle(self)
             if self.stored_per_replica:
                 return self._state
             return Mirrored(self._state, n) if n > 1 else self._state

@@ -10,14 +10,13 @@ happens decides what it does:
 * outside ``run``: ``_eager_*``, on the stored array;
 * inside ``extended.update``'s function: components are read and written as they are.
 
-A variable's state (one array, or a ``PerReplica`` of components) belongs to the variable
-classes (``Variable`` here and its subclasses in ``distributed.py``): other modules read it with
-``state_of`` and write it only with ``write_back``.
+A variable's state (one array, or a ``PerReplica`` of components) is kept by ``state.py``: a
+compiled step's writes stay open until the step is known to have succeeded, so every eager use
+of a variable here first settles them (``state.settle``), and every eager read-modify-write holds
+``state.lock``.
 """
 
 from __future__ import annotations
-
-import operator
 
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +30,7 @@ from jaxmirror.core.reduce_op import (
 )
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import PerReplica
-from jaxmirror.variables import creation, display
+from jaxmirror.variables import creation, display, state
 from jaxmirror.variables.assignment import combine, convert, owned_copy
 from jaxmirror.variables.operators import ArrayOperators
 
@@ -62,6 +61,11 @@ class Variable(ArrayOperators, Stateful):
     them in the step itself, not inside a nested ``jax.jit``, ``jax.grad`` or ``lax`` control
     flow body (compute the value there and assign it after); a step that uses variables cannot
     itself be called inside ``jax.jit``.
+
+    Every assignment (eager, by ``extended.update``, or by a whole step) is one atomic
+    read-modify-write, so threads sharing variables lose no update; between threads they apply
+    in the order they take the variables' lock. A step that fails at run time leaves every
+    variable it wrote with its previous value (its error is raised by its results).
 
     Args:
         initial_value: an array, a Python number, or a callable returning one.
@@ -127,7 +131,14 @@ class Variable(ArrayOperators, Stateful):
         self._name = name
         self._shape = tuple(value.shape)
         self._dtype = value.dtype
-        self._state = self._placed(value)
+        state.initialize(self, self._placed(value))
+
+    def __getstate__(self):
+        # copy and pickle take the settled state; what is open belongs to the original.
+        state.settle(self, report=False)
+        attributes = dict(self.__dict__)
+        attributes.update(_open=0, _committed=None, _failure=None)
+        return attributes
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -243,6 +254,7 @@ class Variable(ArrayOperators, Stateful):
         """
         slot = self._slot()
         if slot is None:
+            state.settle(self)
             return self._eager_read()
         if slot.updating or context.current().replica_context is not None:
             return slot.value
@@ -342,7 +354,9 @@ class Variable(ArrayOperators, Stateful):
                     f"variables are updated by `strategy.run` steps or eagerly, so inside your "
                     f"own jax.jit/grad/scan work on arrays and return them."
                 )
-            self._state = self._eager_write(method, value)
+            with state.lock:
+                state.settle(self)
+                self._state = self._eager_write(method, value)
         elif slot.updating:
             new = combine(method, slot.value, convert(self, value, method))
             slot.write(new, slot.mirrored and slot.update_mirrored)
@@ -378,41 +392,15 @@ class Variable(ArrayOperators, Stateful):
                    slot.mirrored or method == "assign")
 
     def _components_repr(self) -> list[str]:
-        return display.component_reprs(self, self._components, self._num_replicas)
+        return display.component_reprs(self, lambda: self._components(report=False),
+                                       self._num_replicas)
 
-    def _components(self) -> tuple:
+    def _components(self, report: bool = True) -> tuple:
+        state.settle(self, report)
         return (self._state,)
 
     def __repr__(self) -> str:
         return self._components_repr()[0]
-
-
-# -- the interface to a variable's state, for the rest of jaxmirror ------------------------------
-# ``state_of(var)``: the array (or ``PerReplica``) a compiled step takes as ``var``'s input. An
-# attrgetter: it is on the hot path of steps that use variables.
-state_of = operator.attrgetter("_state")
-
-
-def write_back(variables, states: dict) -> None:
-    """Store new states into variables: the one way other modules write a variable's state.
-
-    Args:
-        variables: a sequence of variables.
-        states: ``{index into variables: new state}``; each state placed as ``state_of`` of that
-            variable would be (what a compiled step returns for it, or ``state_from_components``).
-
-    Returns:
-        None.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxmirror
-        >>> v = jaxmirror.Variable(1.0)
-        >>> write_back([v], {0: jnp.float32(2.0)})
-        >>> float(v.numpy())
-        2.0
-    """
-    for i, state in states.items():
-        variables[i]._state = state
 
 
 def state_from_components(var, values: list):
