@@ -75,7 +75,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
-from _timing import devices_and_models  # noqa: E402
+from _timing import devices_and_models, mlp, timed  # noqa: E402  (shared)
 
 LR = 0.1
 NUM_BATCHES = 16  # distinct host global batches, cycled through
@@ -85,15 +85,6 @@ MODELS = {
     "wide": (256, (512, 2048, 2048, 10), (10, 2), (8, 4)),
 }
 JM, BASE, BASE2 = "jaxmirror", "baseline", "baseline'"
-
-
-def mlp(params, x):
-    n = len(params) // 2
-    for i in range(n):
-        x = x @ params[f"w{i}"] + params[f"b{i}"]
-        if i < n - 1:
-            x = jax.nn.relu(x)
-    return x
 
 
 def replica_loss(params, x, y, global_batch):
@@ -171,13 +162,6 @@ def baseline_loop(devices, params, batches, global_batch):
 
     loop.params = lambda: {k: np.asarray(v) for k, v in state["params"].items()}
     return loop
-
-
-def timed(loop, k: int) -> float:
-    """Seconds per step for k steps (each step ends in ``float``: nothing is left in flight)."""
-    t0 = time.perf_counter()
-    loop(k)
-    return (time.perf_counter() - t0) / k
 
 
 def check_params(loops: dict, where: str, rtol: float, atol: float) -> float:

@@ -80,7 +80,8 @@ def moved(op, x):
 
     Example:
         >>> import jax.numpy as jnp
-        >>> moved(lambda a: a[::-1], jnp.array([1e-45, -0.0], jnp.float32)).view(jnp.uint32).tolist()
+        >>> x = jnp.array([1e-45, -0.0], jnp.float32)
+        >>> moved(lambda a: a[::-1], x).view(jnp.uint32).tolist()
         [2147483648, 1]
     """
     dtype = jnp.dtype(x.dtype)

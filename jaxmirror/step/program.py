@@ -121,14 +121,10 @@ class Program:
                 if not _compat.trace_state_clean():
                     raise self._transformed_error()
                 with state.lock:  # read, dispatch, write back: one update at a time
-                    state.poll()
-                    out, token, writes = self._jitted(self._captured_key,
-                                                      tuple(map(state_of, captured)),
-                                                      *args, **kwargs)
-                    if writes:
-                        state.write_open(captured, writes, out is not None, self._single)
+                    state.poll()  # first: a step seen to have failed is rolled back
+                    out, token = self._dispatch(self._captured_key, captured, args, kwargs)
             else:
-                out, token, writes = self._jitted(None, (), *args, **kwargs)
+                out, token, _ = self._jitted(None, (), *args, **kwargs)  # no variables, no writes
         except binding.Discovered as found:  # the step reads variables by closure
             self._capture(found.variables)
             return self(*args, **kwargs)
@@ -153,9 +149,7 @@ class Program:
                     raise self._transformed_error()
                 if key[1] and self._donate_argnums:
                     self._check_not_donating_variables(args)
-                out, token, writes = self._jitted(bound, tuple(map(state_of, captured)), *a, **k)
-                if writes:
-                    state.write_open(variables, writes, out is not None, self._single)
+                out, token = self._dispatch(bound, variables, a, k)
         except binding.Discovered as found:
             self._capture(found.variables)
             return self._call_with_variable_args(args, kwargs)
@@ -163,6 +157,15 @@ class Program:
             check_arguments(args, kwargs, "run")  # a bad argument: name it, in place of JAX's
             raise
         return self._finish(out, token)
+
+    def _dispatch(self, bound, variables: tuple, args, kwargs):
+        """Under ``state.lock``: the jitted call on the captured variables' current arrays, its
+        writes to ``variables`` (passed ones first, then captured) stored open."""
+        out, token, writes = self._jitted(bound, tuple(map(state_of, self._captured)), *args,
+                                          **kwargs)
+        if writes:
+            state.write_open(variables, writes, out is not None, self._single)
+        return out, token
 
     def _finish(self, out, token):
         """The call was dispatched: it counts against the in-flight bound."""

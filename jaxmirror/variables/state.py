@@ -73,6 +73,21 @@ def initialize(var, state) -> None:
     var._failure = None  # a failed step that returned nothing and wrote it, not yet reported
 
 
+def detached_attributes(var) -> dict:
+    """``var``'s attributes for a copy of it (copy, pickle): its settled state, nothing open.
+
+    Args:
+        var: the variable being copied.
+
+    Returns:
+        A new dict of its attributes; what is open or failed stays with ``var``.
+    """
+    settle(var, report=False)
+    attributes = dict(var.__dict__)
+    attributes.update(_open=0, _committed=None, _failure=None)  # as ``initialize`` sets them
+    return attributes
+
+
 def write_back(variables, states: dict) -> None:
     """Store new states now: writes done outside a compiled step (eager, ``update``, restore).
 
@@ -116,8 +131,7 @@ def write_open(variables, states: dict, has_outputs: bool, single_device: bool =
         except Exception:  # noqa: BLE001 - failed: kept open below, closed by the next poll
             pass
         else:
-            for i, new in states.items():
-                variables[i]._state = new
+            write_back(variables, states)
             return
     pairs = [(variables[i], new) for i, new in states.items()]
     for var, new in pairs:
@@ -209,5 +223,5 @@ def _close_oldest() -> None:
             var._committed = None
 
 
-__all__ = ["MAX_OPEN", "initialize", "lock", "poll", "settle", "settle_all", "settled",
-           "state_of", "write_back", "write_open"]
+__all__ = ["MAX_OPEN", "detached_attributes", "initialize", "lock", "poll", "settle",
+           "settle_all", "settled", "state_of", "write_back", "write_open"]

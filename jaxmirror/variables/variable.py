@@ -134,11 +134,7 @@ class Variable(ArrayOperators, Stateful):
         state.initialize(self, self._placed(value))
 
     def __getstate__(self):
-        # copy and pickle take the settled state; what is open belongs to the original.
-        state.settle(self, report=False)
-        attributes = dict(self.__dict__)
-        attributes.update(_open=0, _committed=None, _failure=None)
-        return attributes
+        return state.detached_attributes(self)  # copy and pickle: the settled state
 
     # -- properties -----------------------------------------------------------------------------
     @property
