@@ -1,8 +1,8 @@
 """jaxmirror: TensorFlow's ``tf.distribute`` programming model on JAX.
 
 The public API, named as in ``tf.distribute``; everything is re-exported from the layers
-(``core`` <- ``variables`` <- ``step`` <- ``data`` <- ``collectives`` <- ``strategies``, see
-ARCHITECTURE.md).
+(``core`` <- ``variables`` <- ``step`` <- ``data`` <- ``collectives`` <- ``strategies`` <-
+``nn``, ``metrics``, see ARCHITECTURE.md).
 
 Example:
     >>> import jax.numpy as jnp, jaxmirror
@@ -46,7 +46,15 @@ from jaxmirror.variables.distributed import MirroredVariable, SyncOnReadVariable
 from jaxmirror.variables.trees import assign_values, read_values
 from jaxmirror.variables.variable import Variable
 
+from jaxmirror import metrics, nn, planned
+
 del _default
+
+
+def __getattr__(name):
+    # TF names not built yet (planned.py) say so, instead of a bare AttributeError.
+    return planned.planned_attribute("jaxmirror", name)
+
 
 __version__ = "0.1.0"
 
@@ -59,5 +67,5 @@ __all__ = [
     "VariableSynchronization", "assign_values", "checkpoint", "compute_average_loss",
     "experimental", "experimental_set_strategy", "get_cross_replica_context",
     "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
-    "read_values",
+    "metrics", "nn", "read_values",
 ]

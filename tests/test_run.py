@@ -45,7 +45,7 @@ def test_decorator_on_function_with_positional_parameter_returns_step():
     def step(params, batch):
         return params + jm.get_replica_context().all_reduce("sum", batch)
 
-    assert callable(step) and isinstance(step, jm.step.program.Step)
+    assert callable(step) and isinstance(step, jm.step.step_function.Step)
     b = per_replica(s, lambda i: np.float32(i + 1))
     assert float(step(jnp.float32(10), b)) == 13.0
 

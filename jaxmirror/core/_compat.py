@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import sys
+
 from jax._src import core as _core  # trace_state_clean has no public spelling in 0.10
 from jax._src import dispatch as _dispatch  # nor JAX's per-device effect tokens
+from jax._src import dtypes as _dtypes  # nor registering an array-like type (see below)
 from jax._src import xla_bridge as _xla_bridge  # nor whether the backend has started
 from jax._src.interpreters import partial_eval as _pe  # nor the jaxpr-recording trace
 from jax._src.lax import parallel as _parallel  # nor these collectives' primitives
@@ -101,6 +104,54 @@ def set_cpu_device_count(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+# Functions whose own jax.jit call must refuse array-like objects (their callers swap them for
+# arrays themselves), and the functions below them (traces) where array-likes are welcome again.
+_REFUSING: dict = {}
+
+
+def refuse_array_likes_in(code, error, until) -> None:
+    """Make array-likes (``register_array_like``) raise ``error()`` when a ``jax.jit`` called
+    by the function of ``code`` abstracts them, but not below a frame of ``until``'s code.
+
+    A step's program finds out that it was given variables by ``jax.jit`` refusing them (it
+    then passes their arrays); JAX accepting them as arrays would drop their assignments.
+    """
+    _REFUSING[code] = (error, until)
+
+
+def _check_refused():
+    # Only abstracting a variable outside a trace gets here: never the hot path of a step.
+    frame = sys._getframe(2)
+    stops = {until for _, until in _REFUSING.values()}
+    while frame is not None:
+        code = frame.f_code
+        if code in stops:
+            return
+        if code in _REFUSING:
+            raise _REFUSING[code][0]()
+        frame = frame.f_back
+
+
+def register_array_like(cls, to_array) -> None:
+    """Let JAX's functions and transformations take ``cls`` (and subclasses) as the array
+    ``to_array(x)`` gives: ``jnp.sum(v)``, ``jax.jit(f)(v)``, ``jax.grad(f)(v)``.
+
+    JAX 0.10 no longer abstracts ``__jax_array__`` objects and names no public way to register
+    an array-like type; these two tables are what its own array-likes (NumPy scalars, PRNG
+    keys) use.
+    """
+    def aval(x):
+        _check_refused()
+        return _core.shaped_abstractify(to_array(x))
+
+    def value(x):
+        _check_refused()
+        return to_array(x)
+
+    _core.pytype_aval_mappings[cls] = aval
+    _dtypes.canonicalize_value_handlers[cls] = value
+
+
 def backend_started() -> bool:
     """Whether JAX's backend (and so its device count) is already fixed in this process."""
     return bool(_xla_bridge._backends)
@@ -111,5 +162,6 @@ __all__ = [
     "abstract_key", "backend_started", "current_trace", "eval_jaxpr",
     "forget_failed_effect_tokens", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
     "local_abstract_key", "make_mesh", "pbroadcast_p", "psum_invariant_p", "pvary_p",
-    "reduce_scatter_p", "set_cpu_device_count", "shard_map", "trace_state_clean",
+    "reduce_scatter_p", "refuse_array_likes_in", "register_array_like", "set_cpu_device_count",
+    "shard_map", "trace_state_clean",
 ]

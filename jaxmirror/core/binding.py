@@ -41,19 +41,22 @@ class Slot:
         value: its current value as this replica sees it (a tracer).
         mirrored: whether ``value`` is known to be the same on every replica.
         written: whether the step assigned the variable.
+        used: whether the step read or assigned it (a variable bound in case the step uses it
+            and then unused is not an input of the program).
         updating: depth of ``extended.update`` calls on it (assignments then write components as
             they are, with no aggregation).
         update_mirrored: whether the innermost ``update``'s arguments are the same on every
             replica (then so is what it writes, if the variable was).
     """
 
-    __slots__ = ("var", "value", "mirrored", "written", "updating", "update_mirrored")
+    __slots__ = ("var", "value", "mirrored", "written", "used", "updating", "update_mirrored")
 
     def __init__(self, var, value, mirrored: bool):
         self.var = var
         self.value = value
         self.mirrored = mirrored
         self.written = False
+        self.used = False
         self.updating = 0
         self.update_mirrored = True
 
@@ -97,6 +100,7 @@ class Frame:
         if slot is not None:
             if self.discovered and any(var is d for d in self.discovered) and self._nested():
                 raise Discovered(tuple(self.discovered))
+            slot.used = True
             return slot
         if self.adopt is not None:  # inside update's fn every variable is a component
             slot = self.bind(var, self.adopt(var), mirrored=not var.stored_per_replica)

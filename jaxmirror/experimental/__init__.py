@@ -9,5 +9,15 @@ Example:
 from jaxmirror.core.devices import simulate_cpu_devices
 from jaxmirror.data.distribute_values import ValueContext
 from jaxmirror.data.options import AutoShardPolicy
+from jaxmirror import planned
+from jaxmirror.step.divergence import ReplicaDivergenceWarning, check_replicas
+from jaxmirror.step.padding_check import PaddedRowsWarning
 
-__all__ = ["AutoShardPolicy", "ValueContext", "simulate_cpu_devices"]
+
+def __getattr__(name):
+    # TF names not built yet (planned.py) say so, instead of a bare AttributeError.
+    return planned.planned_attribute("jaxmirror.experimental", name)
+
+
+__all__ = ["AutoShardPolicy", "PaddedRowsWarning", "ReplicaDivergenceWarning", "ValueContext",
+           "check_replicas", "simulate_cpu_devices"]

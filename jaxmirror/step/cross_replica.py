@@ -38,16 +38,32 @@ def views(value):
 PER_REPLICA, MIRRORED, PLAIN = "per_replica", "mirrored", "plain"
 
 
-def kind(strategy, x) -> str:
+def kind(strategy, x, method: str = "reduce") -> str:
     if isinstance(x, PerReplica):
         return PER_REPLICA
     if isinstance(x, Mirrored):
         return MIRRORED
+    if (isinstance(x, jax.Array) and not _compat.is_tracer(x)
+            and x.sharding == strategy.extended.placement.replica_sharding):
+        raise _storage_error(x, method)
     if (isinstance(x, jax.Array) and not _compat.is_tracer(x) and strategy.num_replicas_in_sync > 1
             and x.sharding.is_fully_replicated
             and x.sharding.device_set == strategy.extended.placement.device_set):
         return MIRRORED
     return PLAIN
+
+
+def _storage_error(x, method: str) -> TypeError:
+    # jax.tree.map(f, tree) hands f the arrays inside a PerReplica (it is a pytree); answering
+    # as for a plain array would return the components unreduced, silently.
+    return TypeError(
+        f"{method}: got a plain jax.Array of shape {tuple(x.shape)} laid out one row per "
+        f"replica: the storage of a PerReplica (`.stacked`), not a PerReplica; this happens "
+        f"when jax.tree.map unwraps PerReplica values, which are pytrees. {method} takes "
+        f"nests: call it on the whole tree, or map with "
+        f"is_leaf=lambda x: isinstance(x, jaxmirror.PerReplica); to treat the array's rows as "
+        f"the replicas' components, wrap it: jaxmirror.PerReplica(x)."
+    )
 
 
 def _mirrored_value(x):
@@ -79,12 +95,12 @@ def local_results(strategy, value) -> tuple:
     """``experimental_local_results``: a tuple of this process's per-replica values."""
     value = views(value)
     leaves, tree = jax.tree.flatten(value, is_leaf=is_distributed)
-    if not any(kind(strategy, x) != PLAIN for x in leaves):
+    if not any(kind(strategy, x, "experimental_local_results") != PLAIN for x in leaves):
         return (value,)
     n = strategy.extended.placement.num_local_replicas
     columns = []
     for x in leaves:
-        k = kind(strategy, x)
+        k = kind(strategy, x, "experimental_local_results")
         if k == PER_REPLICA:
             columns.append(x.values)
         elif k == MIRRORED:
@@ -220,21 +236,21 @@ def reduce(strategy, reduce_op, value, axis, method: str = "reduce"):
     require_cross_replica(strategy, method)
     value = views(value)
     if strategy.num_replicas_in_sync == 1:
-        return reduce_single(op, value, axis)
+        return reduce_single(strategy, op, value, axis)
     return jax.tree.map(lambda x: _reduce_leaf(strategy, op, x, axis), value, is_leaf=is_distributed)
 
 
-def _single_component(x):
-    if isinstance(x, PerReplica):
+def _single_component(strategy, x, method: str):
+    if kind(strategy, x, method) == PER_REPLICA:
         return x.stacked[0]
     return _mirrored_value(x)
 
 
-def reduce_single(op: ReduceOp, value, axis):
+def reduce_single(strategy, op: ReduceOp, value, axis):
     """One replica: the value itself, reduced along ``axis`` if one is given."""
 
     def leaf(x):
-        v = _single_component(x)
+        v = _single_component(strategy, x, "reduce")
         if axis is None:
             return v
         v = jnp.asarray(v)
@@ -246,7 +262,7 @@ def reduce_single(op: ReduceOp, value, axis):
 
 def _gather_leaf(strategy, x, axis):
     n = strategy.num_replicas_in_sync
-    if kind(strategy, x) == PER_REPLICA:
+    if kind(strategy, x, "gather") == PER_REPLICA:
         stacked = _real_rows(x, axis, "gather")
         if isinstance(stacked, _Uneven):  # axis 0: the real rows of every component, in order
             return _real_row_concat(stacked)
@@ -270,7 +286,7 @@ def gather(strategy, value, axis):
     value = views(value)
     if strategy.num_replicas_in_sync == 1:
         def leaf(x):
-            v = jnp.asarray(_single_component(x))
+            v = jnp.asarray(_single_component(strategy, x, "gather"))
             if v.ndim < 1:
                 raise ValueError("gather: `value` must have rank >= 1, but it is a scalar; "
                                  "expand it with x[None] before gathering.")

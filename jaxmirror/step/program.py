@@ -18,8 +18,10 @@ time for the same per-replica signature.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
+import warnings
 import weakref
 
 import jax
@@ -28,9 +30,12 @@ import jax.numpy as jnp
 from jaxmirror.core import _compat, binding, context, inflight
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
+from jaxmirror.step import graphs, placing
 from jaxmirror.step.arguments import check_arguments
-from jaxmirror.step.trace import Traced, emit, run_op_by_op, trace_replica
+from jaxmirror.step.static_binding import StaticBinding
+from jaxmirror.step.trace import Traced, emit, local_key, run_op_by_op, trace_replica
 from jaxmirror.variables import state
+from jaxmirror.variables.creation import created_in
 from jaxmirror.variables.state import state_of
 
 
@@ -72,7 +77,7 @@ class Program:
 
     A program does not keep ``fn`` alive (the strategy's cache keeps the program exactly as long
     as ``fn`` lives; ``Step`` is what keeps ``fn`` for a user), and neither do JAX's global
-    compilation caches keep its variables alive (see ``_Binding``).
+    compilation caches keep its variables alive (see ``StaticBinding``).
 
     Args:
         strategy: the strategy whose devices run the program.
@@ -97,10 +102,14 @@ class Program:
         self._track = strategy.extended.placement.bound_in_flight
         self._single = strategy.extended.placement.num_replicas == 1  # often done at return
         self._donate_argnums = tuple(donate_argnums)
-        self._variable_args = False  # the step was given variables as arguments
+        # None, or how every call goes from now on: with variable or NNX-object arguments
+        self._mode = None
+        self._graph_programs = {}  # NNX arguments' (structure, positions, GraphDef) -> Program
+        self._counter = self  # whose trace_count/compile_count a trace adds to
+        self._warned_placement = False
         self._captured = ()  # variables the step reaches by closure, found while tracing
         self._captured_key = None  # the binding of a call without variable arguments
-        self._bindings = {}  # (positions, variables, captured) -> its _Binding
+        self._bindings = {}  # (positions, variables, captured) -> its StaticBinding
         # jit arguments: (variable binding (static), captured variables' arrays, *args, **kwargs)
         self._jitted = jax.jit(self._trace, static_argnums=0,
                                donate_argnums=tuple(i + 2 for i in donate_argnums))
@@ -113,8 +122,9 @@ class Program:
 
     def __call__(self, *args, **kwargs):
         check_can_run(self._strategy)
-        if self._variable_args:
-            return self._call_with_variable_args(args, kwargs)
+        mode = self._mode
+        if mode is not None:
+            return mode(self, args, kwargs)
         captured = self._captured
         try:
             if captured:  # TF's usual style: variables by closure, nothing to flatten per call
@@ -128,11 +138,17 @@ class Program:
         except binding.Discovered as found:  # the step reads variables by closure
             self._capture(found.variables)
             return self(*args, **kwargs)
+        except graphs.GraphArguments:
+            self._mode = Program._call_with_graphs
+            return self._call_with_graphs(args, kwargs)
         except (TypeError, ValueError):  # jax.jit refuses Variable arguments, and bad ones
             check_arguments(args, kwargs, "run")  # a bad one: name it, in place of JAX's error
+            moved = self._mirrored_arguments(args, kwargs)
+            if moved is not None:
+                return self(*moved[0], **moved[1])
             if not _has_variables(args, kwargs):
                 raise
-            self._variable_args = True
+            self._mode = Program._call_with_variable_args
             return self._call_with_variable_args(args, kwargs)
         return self._finish(out, token)
 
@@ -153,10 +169,49 @@ class Program:
         except binding.Discovered as found:
             self._capture(found.variables)
             return self._call_with_variable_args(args, kwargs)
+        except graphs.GraphArguments:
+            self._mode = Program._call_with_graphs
+            return self._call_with_graphs(args, kwargs)
         except (TypeError, ValueError):
             check_arguments(args, kwargs, "run")  # a bad argument: name it, in place of JAX's
-            raise
+            moved = self._mirrored_arguments(args, kwargs)
+            if moved is None:
+                raise
+            return self._call_with_variable_args(*moved)
         return self._finish(out, token)
+
+    def _mirrored_arguments(self, args, kwargs):
+        """``(args, kwargs)`` with arrays on other devices mirrored (as TF does), or ``None``
+        when none is; says once per step that each such call pays a copy."""
+        args, kwargs, names = placing.mirror_misplaced(self._strategy.extended.placement,
+                                                       args, kwargs)
+        if not names:
+            return None
+        if not self._warned_placement:
+            self._warned_placement = True
+            warnings.warn(
+                f"run: `{self.__name__}` got {', '.join(names[:3])}"
+                f"{' and more' if len(names) > 3 else ''} on devices other than the "
+                f"strategy's; they were mirrored onto its devices, as TF does, at the cost of a "
+                f"copy per call that gets them; place them once with "
+                f"strategy.experimental_replicate(tree), build them with strategy.init(fn), or "
+                f"pass the step's own outputs back in.", stacklevel=4)
+        return args, kwargs
+
+    def _call_with_graphs(self, args, kwargs):
+        """A call whose arguments hold NNX objects: split, run on their state, updated after."""
+        key, nnx_state, nodes, others = graphs.split_arguments(
+            args, kwargs, self._strategy.extended.placement)
+        program = self._graph_programs.get(key)
+        if program is None:
+            step = functools.partial(_graph_step, self._fn_ref, key)
+            step.__name__ = self.__name__
+            program = Program(self._strategy, step, weak=False)
+            program._counter = self
+            self._graph_programs[key] = program
+        out, new_state = program(nnx_state, others)
+        graphs.update(nodes, new_state)  # only after the call succeeded, as nnx.jit does
+        return out
 
     def _dispatch(self, bound, variables: tuple, args, kwargs):
         """Under ``state.lock``: the jitted call on the captured variables' current arrays, its
@@ -206,11 +261,11 @@ class Program:
         self._captured = self._captured + variables
         self._captured_key = self._binding(((), (), self._captured))
 
-    def _binding(self, key: tuple) -> "_Binding":
-        """The one ``_Binding`` of ``key`` (static arguments are compared by identity)."""
+    def _binding(self, key: tuple) -> "StaticBinding":
+        """The one ``StaticBinding`` of ``key`` (static arguments are compared by identity)."""
         binding_ = self._bindings.get(key)
         if binding_ is None:
-            binding_ = self._bindings[key] = _Binding(*key)
+            binding_ = self._bindings[key] = StaticBinding(*key)
         return binding_
 
     def _transformed_error(self) -> RuntimeError:
@@ -238,8 +293,9 @@ class Program:
         # Called with concrete arrays, not traced: jax_debug_nans/infs saw a NaN or inf in the
         # outputs and calls the function un-jitted to find the operation that made it.
         op_by_op = _compat.trace_state_clean()
-        self.compile_count += not op_by_op
         check_arguments(args, kwargs, "run")  # once per signature: jax.jit takes ragged lists
+        if graphs.has_graph_nodes((args, kwargs)):  # jax.jit took them apart as pytrees
+            raise graphs.GraphArguments()
         leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
         n_args = len(leaves)
         # Batches from a distributed dataset: their row counts go in as replicated operands
@@ -262,6 +318,7 @@ class Program:
                 run_op_by_op(traced, flat, stacked, self._strategy.extended.placement)
             return None, None, {}  # no NaN op by op: JAX raises its own error about that
         self._handle_path = traced.handle_path
+        self._counter.compile_count += 1  # a trace that got here is compiled (not abandoned)
         outs = emit(traced, flat, stacked, self._strategy.extended.placement, len(counts))
         n_out = len(outs) - len(traced.written)
         results, new_states = outs[:n_out], outs[n_out:]
@@ -280,88 +337,43 @@ class Program:
         key = (in_tree, local, bound, padded)
         traced = self._traced.get(key)
         if traced is None:
-            self.trace_count += 1
+            self._counter.trace_count += 1
+            resolved = None if bound is None else bound.resolve()
+            # The strategy's variables the step might reach by closure are bound in the same
+            # trace, so that finding which ones it uses costs no second run of its Python.
+            taken = set(map(id, resolved[1] + resolved[2])) if resolved else set()
+            candidates = tuple(v for v in created_in(self._strategy) if id(v) not in taken)
             traced = trace_replica(self._strategy, self._fn_ref(), in_tree, n_args, local,
-                                   None if bound is None else bound.resolve(), padded)
-            if not any(_compat.is_tracer(c) for c in traced.jaxpr.consts):
+                                   resolved, padded, candidates)
+            cacheable = not any(_compat.is_tracer(c) for c in traced.jaxpr.consts)
+            if traced.adopted:  # the next call passes them: keep the trace for that call
+                positions, variables, captured = resolved or ((), (), ())
+                n_bound = n_args + len(captured)
+                local = (local[:n_bound] + tuple(map(local_key, traced.adopted))
+                         + local[n_bound:])
+                bound = self._binding((positions, variables, captured + traced.adopted))
+                if cacheable:
+                    self._traced[(in_tree, local, bound, padded)] = traced
+                raise binding.Discovered(traced.adopted)
+            if cacheable:
                 self._traced[key] = traced
         return traced
 
 
-class _Binding:
-    """The static jit argument naming the variables a call binds, without keeping them alive.
-
-    JAX's compilation caches are global and keep a jitted function's static arguments until the
-    function is collected; a tuple of variables there would keep the variables, their strategy,
-    its programs and so the jitted function itself alive for ever. A ``_Binding`` holds weak
-    references and compares by identity: ``Program._binding`` makes one per binding.
-    """
-
-    __slots__ = ("_positions", "_arguments", "_captured", "__weakref__")
-
-    def __init__(self, positions: tuple, variables: tuple, captured: tuple):
-        self._positions = positions
-        self._arguments = tuple(map(weakref.ref, variables))
-        self._captured = tuple(map(weakref.ref, captured))
-
-    def resolve(self) -> tuple:
-        """``(positions, variables, captured)`` as ``trace.trace_replica`` takes them."""
-        return (self._positions, tuple(r() for r in self._arguments),
-                tuple(r() for r in self._captured))
+class _VariableArguments(TypeError):
+    """Raised by ``jax.jit`` in ``Program.__call__`` for variable arguments (see ``_compat``)."""
 
 
-class Step:
-    """A step function compiled for every replica of a strategy; call it like the function.
+# JAX takes variables as arrays elsewhere; a step must see them as variables, so its own jit
+# call refuses them and ``__call__`` passes their arrays instead (``_call_with_variable_args``).
+_compat.refuse_array_likes_in(Program.__call__.__code__, _VariableArguments,
+                              until=Program._trace.__code__)
 
-    What ``@strategy.run`` and ``strategy.function`` return. The step holds the function, and
-    the strategy keeps the compiled program for exactly as long as the function lives: a step
-    (or function) you let go of takes its compiled program with it.
 
-    Args:
-        program: the ``Program`` that runs it.
-        fn: the user's per-replica function.
-
-    Example:
-        >>> import jaxmirror
-        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
-        >>> @s.function
-        ... def step(x):
-        ...     return x + 1
-        >>> float(step(1.0)), step.trace_count
-        (2.0, 1)
-    """
-
-    def __init__(self, program: Program, fn):
-        self._program = program
-        self.__wrapped__ = fn
-        self.__name__ = program.__name__
-        self.__doc__ = getattr(fn, "__doc__", None)
-
-    def __call__(self, *args, **kwargs):
-        return self._program(*args, **kwargs)
-
-    @property
-    def program(self) -> Program:
-        """The compiled program (shared with ``strategy.run(fn, args)``)."""
-        return self._program
-
-    @property
-    def fn(self):
-        """The user's per-replica function."""
-        return self.__wrapped__
-
-    @property
-    def trace_count(self) -> int:
-        """How often the user's function was traced."""
-        return self._program.trace_count
-
-    @property
-    def compile_count(self) -> int:
-        """How often a program was built for it (a new placement of the inputs builds one)."""
-        return self._program.compile_count
-
-    def __repr__(self) -> str:
-        return repr(self._program)
+def _graph_step(fn_ref, key, nnx_objects, others):
+    """The per-replica function of a step given NNX objects (``graphs``); the parameter names
+    name the arguments in warnings."""
+    return graphs.merged_call(fn_ref(), key, nnx_objects, others)
 
 
 def _has_variables(args, kwargs) -> bool:

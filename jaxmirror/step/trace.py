@@ -11,6 +11,7 @@ analysis chose: replicated outputs come back as plain arrays replicated over the
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -19,8 +20,9 @@ import jax.numpy as jnp
 from jaxmirror.core import _compat, binding, context
 from jaxmirror.core._compat import P
 from jaxmirror.core.values import PerReplica, is_distributed
-from jaxmirror.step import replication, rows
+from jaxmirror.step import divergence, padding_check, replication, rows
 from jaxmirror.step.replica_context import ReplicaContext
+from jaxmirror.variables.state import state_of
 
 
 class Traced(NamedTuple):
@@ -32,6 +34,10 @@ class Traced(NamedTuple):
     written: tuple  # which bound variables the step assigned (their arrays are the last outputs)
     force_varying: list  # outputs that stay per-replica whatever the analysis says
     row_source: list  # per output: the padded batch whose rows it holds (an index), or None
+    name: str  # the step function's name, for warnings
+    pairs: list  # outputs that are new versions of inputs (divergence.paired_outputs)
+    mirrored_writes: list  # (output index, name) of the mirrored variables the step wrote
+    adopted: tuple  # candidate variables the step used: captured from now on (see trace_replica)
 
 
 def _as_output_array(x, where):
@@ -62,8 +68,9 @@ def _no_path(_):
     raise LookupError("no cheap path to an output array")
 
 
-def _bind_inputs(frame, strategy, values, n_args, bound) -> list:
-    """The user's flat inputs, with the variables passed or captured bound in ``frame``."""
+def _bind_inputs(frame, strategy, values, n_args, bound, candidates) -> list:
+    """The user's flat inputs, with the variables passed, captured or candidates bound in
+    ``frame``."""
     positions, arg_vars, captured = bound or ((), (), ())
     user = list(values[:n_args])
     # Whether a variable's replicas agree is not known here (the trace serves every placement);
@@ -73,27 +80,31 @@ def _bind_inputs(frame, strategy, values, n_args, bound) -> list:
         var.check_usable_in(strategy)
         frame.bind(var, values[pos], mirrored=not is_distributed(var))
         user[pos] = var
-    for j, var in enumerate(captured):
+    for j, var in enumerate(captured + candidates):
         frame.bind(var, values[n_args + j], mirrored=not is_distributed(var))
     return user
 
 
-def _written_outputs(frame, bound, num_replicas: int) -> tuple:
-    """``(written, varying, values)`` of the variables the step assigned: each one's index among
-    the bound variables, whether its output stays per replica, and its new traced value."""
+def _written_outputs(frame, bound, adopted, num_replicas: int) -> tuple:
+    """``(written, varying, values, mirrored)`` of the variables the step assigned: each one's
+    index among the bound variables, whether its output stays per replica, its new traced
+    value, and the names of the mirrored ones (by position among the writes)."""
     _, arg_vars, captured = bound or ((), (), ())
     slots = frame.written()
     # Which variable each write is for: its index among the bound ones (arguments' first, then
     # captured), a plain dict key, so jit rebuilds the writes in C++.
-    bound_vars = list(arg_vars) + list(captured)
+    bound_vars = list(arg_vars) + list(captured) + list(adopted)
     index = {id(v): bound_vars.index(v) for v in reversed(bound_vars)}
     written = tuple(index[id(s.var)] for s in slots)
     # A sync-on-read variable keeps one component per replica, even when they agree.
     varying = [s.var.always_per_replica and num_replicas > 1 for s in slots]
-    return written, varying, [jnp.asarray(s.value) for s in slots]
+    mirrored = [(j, s.var.name) for j, s in enumerate(slots)
+                if is_distributed(s.var) and not s.var.always_per_replica]
+    return written, varying, [jnp.asarray(s.value) for s in slots], mirrored
 
 
-def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=()) -> Traced:
+def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
+                  candidates=()) -> Traced:
     """Trace ``fn`` once, for one replica.
 
     Args:
@@ -107,6 +118,9 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=()) -> Tra
             the user passed variables, those variables, and the variables the step reaches by
             closure (their arrays follow the user's inputs).
         padded: the flat positions of padded batches; their row counts are the last inputs.
+        candidates: variables the step may reach by closure, bound as extra inputs (after the
+            captured ones, ``local`` does not list them) so that a first trace needs no second:
+            the ones it used stay inputs (``Traced.adopted``), the others are dropped.
 
     Returns:
         A ``Traced``: a closed jaxpr holding one ``shard_map`` whose body is the replica's
@@ -117,10 +131,12 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=()) -> Tra
     """
     placement = strategy.extended.placement
     found = {}
+    n_bound = n_args + len(bound[2] if bound else ())
+    local = local[:n_bound] + tuple(map(local_key, candidates)) + local[n_bound:]
 
     def per_replica_body(*values):
         frame = binding.Frame(strategy, placement.axis_name, discover=True)
-        user = _bind_inputs(frame, strategy, values, n_args, bound)
+        user = _bind_inputs(frame, strategy, values, n_args, bound, candidates)
         a, k = jax.tree.unflatten(in_tree, user)
         first_count = len(values) - len(padded)
         ctx = ReplicaContext(strategy, axis_name=placement.axis_name, padded_batches=tuple(
@@ -133,13 +149,21 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=()) -> Tra
             outs = [_as_output_array(x, path) for path, x in with_paths]
         if frame.discovered:
             raise binding.Discovered(tuple(frame.discovered))
-        smallest = min(range(len(outs)), key=lambda i: outs[i].size, default=None)
-        written, varying, new_values = _written_outputs(frame, bound, placement.num_replicas)
+        # No attribute paths: an attribute may be a property that warns (NNX's `.value`).
+        plain = [i for i, (path, _) in enumerate(with_paths)
+                 if not any(isinstance(k, jax.tree_util.GetAttrKey) for k in path)]
+        smallest = min(plain, key=lambda i: outs[i].size, default=None)
+        adopted = tuple(v for v in candidates if frame.slots[id(v)].used)
+        written, varying, new_values, mirrored = _written_outputs(frame, bound, adopted,
+                                                                  placement.num_replicas)
         found.update(
             out_tree=tree,
-            handle_path=() if smallest is None else _getters(with_paths[smallest][0]),
+            handle_path=(_no_path,) if smallest is None else _getters(with_paths[smallest][0]),
             written=written,
             force_varying=[False] * len(outs) + varying,
+            pairs=divergence.paired_outputs(fn, a, k, result) if placement.num_replicas > 1 else [],
+            mirrored_writes=[(len(outs) + j, name) for j, name in mirrored],
+            adopted=adopted,
         )
         return outs + new_values
 
@@ -149,10 +173,50 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=()) -> Tra
     traced = jax.make_jaxpr(
         _compat.shard_map(per_replica_body, placement.mesh, P(), P())
     )(*avals)
+    if candidates:
+        adopted = set(map(id, found["adopted"]))
+        traced = _drop_inputs(traced, {n_bound + j for j, v in enumerate(candidates)
+                                       if id(v) not in adopted})
     sources = rows.row_sources(traced, padded)
+    # Once per trace: a hand-written mean over padded rows fed to a collective (padding_check).
+    warning = padding_check.padded_rows_warning(traced, padded, placement.axis_name)
+    if warning is not None:
+        warnings.warn(warning, stacklevel=padding_check.user_stacklevel())
     n_results = len(sources) - len(found["written"])
     row_source = sources[:n_results] + [None] * len(found["written"])
-    return Traced(jaxpr=traced, row_source=row_source, **found)
+    return Traced(jaxpr=traced, row_source=row_source,
+                  name=getattr(fn, "__name__", type(fn).__name__), **found)
+
+
+def local_key(var) -> tuple:
+    """A variable's per-replica ``(shape, dtype, weak type)``, as ``Program`` keys its inputs.
+
+    Args:
+        var: a variable.
+
+    Returns:
+        The key of what one replica sees of its state.
+    """
+    held = state_of(var)
+    stacked = isinstance(held, PerReplica)
+    return _compat.local_abstract_key(held.stacked if stacked else held, stacked)
+
+
+def _drop_inputs(closed, drop: set):
+    """``closed`` (one ``shard_map``) without the inputs at positions ``drop``, which it does
+    not use (candidate variables the step never touched)."""
+    outer = closed.jaxpr
+    (eqn,) = outer.eqns
+    gone = {id(v) for i, v in enumerate(outer.invars) if i in drop}
+    keep = [isinstance(v, _compat.Literal) or id(v) not in gone for v in eqn.invars]
+    inner = eqn.params["jaxpr"]
+    inner = inner.replace(invars=[v for v, k in zip(inner.invars, keep) if k])
+    params = dict(eqn.params, jaxpr=inner,
+                  in_specs=tuple(s for s, k in zip(eqn.params["in_specs"], keep) if k))
+    eqn = eqn.replace(invars=[v for v, k in zip(eqn.invars, keep) if k], params=params)
+    outer = outer.replace(invars=[v for i, v in enumerate(outer.invars) if i not in drop],
+                          eqns=[eqn])
+    return closed.replace(jaxpr=outer)
 
 
 def run_op_by_op(traced: Traced, flat: list, stacked: tuple, placement) -> list:
@@ -214,6 +278,9 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int) -
     if placement.num_replicas > 1:
         analysed = replication.analyse(inner, op_stacked)
         out_varying = [a or f for a, f in zip(analysed, traced.force_varying)]
+        # Once per placement of the inputs: mirrored values the replicas made differ.
+        divergence.warn_diverged(traced.name, traced.pairs, stacked, analysed,
+                                 traced.mirrored_writes)
     else:
         out_varying = [False] * len(inner.outvars)
     body = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(inner, ()))

@@ -92,6 +92,23 @@ class StrategyExtended:
         """False, as for TF's MirroredStrategy (every program is still compiled for static shapes)."""
         return False
 
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker should save checkpoints: True on the chief (the only worker
+        of a one-machine strategy), as TF's ``extended.should_checkpoint``."""
+        return jax.process_index() == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this worker should write summaries: True on the chief, as TF's."""
+        return jax.process_index() == 0
+
+    @property
+    def should_init(self) -> bool:
+        """Whether this worker should initialize variables: True, as TF's for every worker of
+        a mirrored strategy."""
+        return True
+
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         """Run ``fn`` on every replica now (the same as ``strategy.run(fn, args, kwargs)``).
 

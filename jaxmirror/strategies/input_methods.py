@@ -10,6 +10,7 @@ from jaxmirror.data.datasets import GlobalBatchDataset
 from jaxmirror.data.distribute_values import distribute_values_from_function
 from jaxmirror.data.from_function import DistributedDatasetsFromFunction
 from jaxmirror.data.options import InputReplicationMode
+from jaxmirror.step import placing
 
 
 class InputMethods:
@@ -24,6 +25,59 @@ class InputMethods:
         >>> [c.tolist() for c in s.experimental_local_results(batch)]
         [[0.0, 1.0], [2.0, 3.0]]
     """
+
+    def experimental_replicate(self, tree):
+        """``tree``'s arrays placed Mirrored on every replica's device, once.
+
+        ``run`` takes parameters and optimizer state as arrays replicated over the strategy's
+        devices; arrays made on one device (a model initialized eagerly, a checkpoint restored
+        outside ``scope()``, optax's ``count``) are moved by every call that gets them, and the
+        first call after cost a second compilation. Place them once here. flax NNX objects
+        (modules, optimizers) in ``tree`` are updated in place and returned.
+
+        Args:
+            tree: a pytree of arrays (params, optimizer state) and NNX objects.
+
+        Returns:
+            The same structure, every array replicated over the strategy's devices.
+
+        Example:
+            >>> import jax.numpy as jnp, optax, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> params = s.experimental_replicate({"w": jnp.ones(3)})
+            >>> opt_state = s.experimental_replicate(optax.adam(1e-3).init(params))
+            >>> params["w"].sharding.is_fully_replicated, len(opt_state[0].count.devices())
+            (True, 2)
+        """
+        return placing.replicate(self.extended.placement, tree)
+
+    def init(self, fn, *args, **kwargs):
+        """Build params, optimizer state or NNX objects directly Mirrored on every replica.
+
+        ``fn(*args, **kwargs)`` runs as one compiled program whose outputs are replicated over
+        the strategy's devices: nothing is built on one device and copied, and the first
+        ``run`` step compiles once. NNX modules and optimizers ``fn`` returns come back built
+        on the devices.
+
+        Args:
+            fn: builds what training starts from (``lambda: Model(rngs=nnx.Rngs(0))``, or
+                ``model.init`` of a Linen model).
+            *args: ``fn``'s positional arguments (arrays, or Python values it uses statically).
+            **kwargs: its keyword arguments.
+
+        Returns:
+            What ``fn`` returns, replicated over the strategy's devices.
+
+        Example:
+            >>> import jax, optax, jaxmirror
+            >>> from flax import nnx
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> model, opt = s.init(lambda: (m := nnx.Linear(2, 1, rngs=nnx.Rngs(0)),
+            ...                              nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param)))
+            >>> len(model.kernel[...].devices()), len(opt.step[...].devices())
+            (2, 2)
+        """
+        return placing.build_replicated(self.extended.placement, fn, args, kwargs)
 
     def experimental_distribute_values_from_function(self, value_fn):
         """Build a distributed value by calling ``value_fn`` once per local replica.

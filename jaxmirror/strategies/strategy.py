@@ -6,7 +6,8 @@ import contextlib
 
 from jaxmirror.core import context, inflight
 from jaxmirror.step import cross_replica
-from jaxmirror.step.program import Program, Step
+from jaxmirror.step.program import Program
+from jaxmirror.step.step_function import Step
 from jaxmirror.step.program_cache import ProgramCache
 from jaxmirror.step.run_options import RunOptions
 from jaxmirror.strategies.extended import StrategyExtended
@@ -53,7 +54,8 @@ class Strategy(InputMethods):
 
     @property
     def cluster_resolver(self):
-        """The cluster resolver of a multi-worker strategy; ``None`` on one machine."""
+        """The strategy's cluster resolver; ``None`` for the one-machine strategies (the
+        multi-worker strategy, which will have one, is planned)."""
         return None
 
     # -- contexts ---------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 from jaxmirror.core import _compat
 from jaxmirror.core.stateful import is_opaque
 from jaxmirror.core.values import DistributedValues, Mirrored
+from jaxmirror.variables.creation import owning_strategy
 from jaxmirror.variables.variable import Variable
 
 SCALARS = (bool, int, float, complex)
@@ -137,11 +138,24 @@ def check_shape(path, leaf, saved_shape) -> None:
 
 
 def sharding_of(leaf):
-    """Where a target leaf's values live: its sharding, or ``None`` (host values)."""
+    """Where a target leaf's values live: its sharding, or ``None`` (host values).
+
+    Inside a strategy's scope a ``jax.Array`` or ``jax.ShapeDtypeStruct`` target that is not
+    already on exactly the strategy's devices restores mirrored over them, as TF restores into
+    mirrored variables: a fresh target made on one device then feeds ``run`` directly.
+    """
     if isinstance(leaf, Mirrored):
         return sharding_of(leaf.value)
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-        return leaf.sharding
+        strategy = owning_strategy()
+        if strategy is None:
+            return leaf.sharding
+        placement = strategy.extended.placement
+        if leaf.sharding is not None and leaf.sharding.device_set == placement.device_set:
+            return leaf.sharding
+        if placement.num_replicas == 1:
+            return jax.sharding.SingleDeviceSharding(placement.devices[0])
+        return placement.replicated_sharding
     return None
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import jax
 import jax.numpy as jnp
 
@@ -11,6 +14,43 @@ from jaxmirror.core.values import Mirrored, PerReplica, components
 from jaxmirror.variables.operators import ArrayOperators
 
 Sync = VariableSynchronization
+# strategy -> {variable made in its scope and still alive: creation number}
+_CREATED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_NUMBERS = itertools.count()
+
+
+def register(strategy, var) -> None:
+    """Remember that ``var`` was made in ``strategy``'s scope (for as long as both live).
+
+    Args:
+        strategy: the owning strategy.
+        var: the new variable.
+    """
+    _CREATED.setdefault(strategy, weakref.WeakKeyDictionary())[var] = next(_NUMBERS)
+
+
+def created_in(strategy) -> list:
+    """The live variables made in ``strategy``'s scope, oldest first.
+
+    A step reaching variables by closure takes these as candidate inputs of its first trace, so
+    that it need not be traced again once it is known which ones it uses.
+
+    Args:
+        strategy: a strategy.
+
+    Returns:
+        A list of variables.
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.OneDeviceStrategy("CPU:0")
+        >>> with s.scope():
+        ...     v = jaxmirror.Variable(1.0)
+        >>> created_in(s) == [v]
+        True
+    """
+    made = _CREATED.get(strategy)
+    return [v for v, _ in sorted(made.items(), key=lambda item: item[1])] if made else []
 
 
 def owning_strategy():

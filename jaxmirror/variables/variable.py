@@ -31,6 +31,7 @@ from jaxmirror.core.reduce_op import (
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import PerReplica
 from jaxmirror.variables import creation, display, state
+from jaxmirror.variables.identity import Identity
 from jaxmirror.variables.assignment import combine, convert, owned_copy
 from jaxmirror.variables.operators import ArrayOperators
 
@@ -42,7 +43,7 @@ Sync = VariableSynchronization
 _DISTRIBUTED_CLASSES: dict = {}
 
 
-class Variable(ArrayOperators, Stateful):
+class Variable(ArrayOperators, Identity, Stateful):
     """A variable: one array you can read and assign (``tf.Variable``).
 
     Created inside a strategy's ``scope()`` it becomes a distributed variable: a
@@ -55,7 +56,8 @@ class Variable(ArrayOperators, Stateful):
     nothing. Inside the step, assignments follow ``aggregation`` (SUM, MEAN, ONLY_FIRST_REPLICA
     combine the replicas' values and write the result to every component; NONE lets each replica
     write its own). Operators (``v + 1``, ``v @ w``, ``v[0]``) act on the value, and so do
-    ``jnp.asarray(v)`` and ``np.asarray(v)``; pass ``v.value()`` to other ``jnp`` functions.
+    ``jnp`` functions, ``np.asarray(v)``, and ``jax.jit(f)(v)``/``jax.grad(f)(v)`` (which get
+    the value as an array; a step still gets the variable). ``v.ref()`` is TF's hashable key.
     Variables are not pytrees: ``jax.tree`` treats them as leaves (see ``read_values`` /
     ``assign_values`` for pytrees of them). Inside a step, read variables anywhere, but assign
     them in the step itself, not inside a nested ``jax.jit``, ``jax.grad`` or ``lax`` control
@@ -132,6 +134,8 @@ class Variable(ArrayOperators, Stateful):
         self._shape = tuple(value.shape)
         self._dtype = value.dtype
         state.initialize(self, self._placed(value))
+        if strategy is not None:
+            creation.register(strategy, self)
 
     def __getstate__(self):
         return state.detached_attributes(self)  # copy and pickle: the settled state
@@ -397,6 +401,10 @@ class Variable(ArrayOperators, Stateful):
 
     def __repr__(self) -> str:
         return self._components_repr()[0]
+
+
+# jnp functions, jax.jit and jax.grad take a variable as its value (as TF ops take tf.Variable).
+_compat.register_array_like(Variable, Variable.read_value)
 
 
 def state_from_components(var, values: list):

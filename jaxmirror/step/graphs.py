@@ -1,0 +1,120 @@
+"""flax NNX objects (modules, optimizers, anything with ``nnx.Variable``s) as arguments of ``run``.
+
+NNX objects are mutable: ``nnx.jit`` splits them into a static graph definition and an
+``nnx.State`` of arrays, runs the function on objects merged back from them, and updates the
+caller's objects with the state they end with. A step does the same (``split_arguments``,
+``merged_call``, ``update``): updates a step makes (an optimizer's ``update``, BatchNorm's
+statistics, an RNG's count) are visible afterwards, as with ``nnx.jit``. The state's arrays go
+in replicated (placed once here, so a model built on one device neither fails nor compiles
+twice) and come back Mirrored, or ``PerReplica`` where the replicas made them differ.
+
+Splitting walks the objects' graph on every call, as ``nnx.jit`` does; a step that takes
+``nnx.State`` (``graphdef, state = nnx.split(model)`` once, ``nnx.merge`` inside) skips that.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from flax.nnx import graphlib
+
+from jaxmirror.core.values import is_distributed
+
+
+class GraphArguments(Exception):
+    """Raised out of a trace that met NNX objects among the step's arguments; ``run`` then
+    passes them as graph definition and state (``split_arguments``) from that call on."""
+
+
+def is_graph_node(x) -> bool:
+    """Whether ``x`` is an NNX object (a module, an optimizer, ``nnx.Rngs``...).
+
+    Args:
+        x: anything.
+
+    Returns:
+        True for flax NNX graph nodes other than a bare ``nnx.Variable`` (an ``nnx.State``
+        holds those: a step takes them as the pytrees they are).
+
+    Example:
+        >>> from flax import nnx
+        >>> is_graph_node(nnx.Linear(2, 1, rngs=nnx.Rngs(0))), is_graph_node({"w": 1})
+        (True, False)
+    """
+    return graphlib.is_graph_node(x) and not isinstance(x, nnx.Variable)
+
+
+def _graph_or_distributed(x) -> bool:
+    return is_distributed(x) or is_graph_node(x)
+
+
+def has_graph_nodes(tree) -> bool:
+    """Whether ``tree`` holds NNX objects (checked once per traced signature)."""
+    return any(map(is_graph_node, jax.tree.leaves(tree, is_leaf=_graph_or_distributed)))
+
+
+def split_arguments(args, kwargs, placement):
+    """The arguments as ``(key, state, nodes, others)``: NNX objects split together.
+
+    Args:
+        args: the step's positional arguments.
+        kwargs: its keyword arguments.
+        placement: the strategy's ``Placement``; state arrays not on all its devices are
+            replicated onto them.
+
+    Returns:
+        ``key``: ``(structure, positions of the NNX objects, their GraphDef)`` (hashable);
+        ``state``: their ``nnx.State``; ``nodes``: the objects; ``others``: the other leaves.
+    """
+    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=_graph_or_distributed)
+    positions = tuple(i for i, x in enumerate(leaves) if is_graph_node(x))
+    nodes = [leaves[i] for i in positions]
+    graphdef, state = nnx.split(nodes)  # one split: objects shared between arguments stay shared
+    state = jax.tree.map(lambda x: _on_devices(x, placement), state, is_leaf=is_distributed)
+    taken = set(positions)
+    others = [x for i, x in enumerate(leaves) if i not in taken]
+    return (tree, positions, graphdef), state, nodes, others
+
+
+def _on_devices(x, placement):
+    if (isinstance(x, jax.Array) and placement.num_replicas > 1
+            and x.sharding.device_set != placement.device_set):
+        return placement.replicate(x)
+    return x
+
+
+def merged_call(fn, key, state, others):
+    """``fn`` called on NNX objects merged from ``state`` (inside the step's trace).
+
+    Args:
+        fn: the user's step function.
+        key: as ``split_arguments`` gave it.
+        state: the (traced) state.
+        others: the other (traced) leaves.
+
+    Returns:
+        ``(fn's result, the objects' state after the call)``.
+    """
+    tree, positions, graphdef = key
+    nodes = nnx.merge(graphdef, state)
+    leaves, rest = [], iter(others)
+    slots = dict(zip(positions, nodes))
+    for i in range(len(positions) + len(others)):
+        leaves.append(slots[i] if i in slots else next(rest))
+    args, kwargs = jax.tree.unflatten(tree, leaves)
+    out = fn(*args, **kwargs)
+    return out, nnx.state(nodes)
+
+
+def update(nodes, state) -> None:
+    """Write the state a step ended with into the caller's NNX objects (``nnx.update``).
+
+    Args:
+        nodes: the objects ``split_arguments`` split.
+        state: the step's new state for them.
+    """
+    nnx.update(nodes, state)
+
+
+__all__ = ["GraphArguments", "has_graph_nodes", "is_graph_node", "merged_call",
+           "split_arguments", "update"]

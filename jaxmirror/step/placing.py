@@ -1,0 +1,116 @@
+"""Putting user trees on a strategy's devices: replicated once, built there, or moved on demand.
+
+``run`` takes Mirrored values as arrays replicated over the strategy's devices. Arrays made
+elsewhere (a model initialized on the default device, a checkpoint restored outside a scope,
+an optimizer's ``count``) either make ``jax.jit`` refuse the call (committed to other devices)
+or cost a second compilation once the step's replicated outputs come back in their place.
+``replicate`` places a tree once; ``build_replicated`` builds it straight on the devices (no copy
+on one device first); ``mirror_misplaced`` is what ``run`` does, as TF does, with arrays it
+was given on other devices.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jaxmirror.core.values import is_distributed
+from jaxmirror.step.graphs import is_graph_node
+
+
+def _sharding(placement):
+    if placement.num_replicas == 1:
+        return jax.sharding.SingleDeviceSharding(placement.devices[0])
+    return placement.replicated_sharding
+
+
+def _misplaced(x, placement) -> bool:
+    # Uncommitted arrays (made without a device) go wherever jax.jit puts them.
+    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed
+            and x.sharding.device_set != placement.device_set)
+
+
+def replicate(placement, tree):
+    """``tree`` with every array replicated over the strategy's devices.
+
+    NNX objects in it are updated in place (their ``nnx.Variable``s get the placed arrays) and
+    returned; other arrays are returned placed; distributed values are left as they are.
+
+    Args:
+        placement: the strategy's ``Placement``.
+        tree: a pytree of arrays and NNX objects.
+
+    Returns:
+        The same structure, placed.
+    """
+    sharding = _sharding(placement)
+
+    def place(x):
+        if is_graph_node(x):
+            nnx.update(x, jax.device_put(nnx.state(x), sharding))
+            return x
+        if isinstance(x, jax.Array) or (hasattr(x, "__array__") and not is_distributed(x)):
+            return jax.device_put(x, sharding)
+        return x
+
+    return jax.tree.map(place, tree, is_leaf=lambda x: is_graph_node(x) or is_distributed(x))
+
+
+def build_replicated(placement, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` computed by one program whose outputs are replicated over the
+    strategy's devices (NNX objects it returns come back built on them).
+
+    Args:
+        placement: the strategy's ``Placement``.
+        fn: builds the tree (a model, an optimizer, their state).
+        args: positional arguments of ``fn`` (arrays or static Python values).
+        kwargs: keyword arguments of ``fn``.
+
+    Returns:
+        What ``fn`` returns, placed.
+    """
+    built = {}
+
+    def pure():
+        out = fn(*args, **kwargs)
+        leaves, tree = jax.tree.flatten(out, is_leaf=is_graph_node)
+        positions = tuple(i for i, x in enumerate(leaves) if is_graph_node(x))
+        graphdef, state = nnx.split([leaves[i] for i in positions])
+        built.update(tree=tree, positions=positions, graphdef=graphdef, n=len(leaves))
+        return state, [x for i, x in enumerate(leaves) if i not in positions]
+
+    state, others = jax.jit(pure, out_shardings=_sharding(placement))()
+    nodes = dict(zip(built["positions"], nnx.merge(built["graphdef"], state)))
+    rest = iter(others)
+    leaves = [nodes[i] if i in nodes else next(rest) for i in range(built["n"])]
+    return jax.tree.unflatten(built["tree"], leaves)
+
+
+def mirror_misplaced(placement, args, kwargs):
+    """The arguments with arrays on other devices than the strategy's replicated over them.
+
+    Args:
+        placement: the strategy's ``Placement``.
+        args: a step's positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        ``(args, kwargs, names)``: ``names`` lists the arguments moved (empty: nothing was).
+    """
+    pairs, tree = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_distributed)
+    names, leaves = [], []
+    for path, x in pairs:
+        if _misplaced(x, placement):
+            names.append(_argument(path))
+            x = placement.replicate(x)
+        leaves.append(x)
+    args, kwargs = jax.tree.unflatten(tree, leaves)
+    return args, kwargs, names
+
+
+def _argument(path) -> str:
+    head, rest = path[0], path[1:]
+    return ("args" if head.idx == 0 else "kwargs") + jax.tree_util.keystr(rest)
+
+
+__all__ = ["build_replicated", "mirror_misplaced", "replicate"]
