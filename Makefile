@@ -26,6 +26,7 @@ bench: install
 	$(PY) benchmarks/variables.py
 	$(PY) benchmarks/input_pipeline.py
 	$(PY) benchmarks/tf_loop.py
+	$(PY) benchmarks/nnx_step.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -460,3 +460,93 @@ def test_should_checkpoint_ref_and_device():
     assert v.device == "/job:localhost/replica:0/task:0/device:CPU:0"
     assert {v.ref(): "v", w.ref(): "w"}[v.ref()] == "v"
     assert v.ref().deref() is v and v.ref() != w.ref() and v.experimental_ref() == v.ref()
+
+
+# -- what a new user met: NNX details ------------------------------------------------------
+def test_each_replica_draws_its_own_dropout_mask_and_the_keys_stay_mirrored():
+    s = strategy(4)
+    model = s.init(lambda: nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0)))
+    step = s.run(lambda m, x: m(x))
+    masks = [np.asarray(c) for c in s.experimental_local_results(step(model, jnp.ones(64)))]
+    assert len({m.tobytes() for m in masks}) == 4  # four different masks
+    assert jm.experimental.check_replicas(model) == []  # the stored key and count agree
+    assert int(model.rngs.count[...]) == 1
+
+
+def test_a_failing_callback_leaves_nnx_objects_unchanged_and_readable():
+    s = strategy(2)
+    model = s.init(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    before = np.asarray(model.kernel[...])
+
+    def fail(_):
+        raise RuntimeError("callback failed")
+
+    @s.run
+    def step(m, x):
+        jax.debug.callback(fail, m(x))
+        m.kernel[...] = m.kernel[...] * 2
+        return m(x).sum()
+
+    with pytest.raises(Exception, match="callback failed"):
+        step(model, jnp.ones((3, 2)))
+    np.testing.assert_array_equal(np.asarray(model.kernel[...]), before)
+    assert float(s.run(lambda m: m.kernel[...].sum(), args=(model,))) == pytest.approx(
+        before.sum())
+
+
+def test_changing_static_attributes_inside_a_step_is_refused():
+    s = strategy(2)
+    drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=0))
+
+    def step(m, x):
+        m.eval()
+        return m(x)
+
+    with pytest.raises(ValueError, match=r"model.eval\(\).*outside the step"):
+        s.run(step, args=(drop, jnp.ones(4)))
+    assert drop.deterministic is False
+
+
+def test_nnx_objects_by_closure_get_a_clear_error():
+    s = strategy(2)
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+
+    @s.function
+    def step():
+        return nnx.grad(lambda m: jnp.mean(m(jnp.ones((2, 2))) ** 2))(model).kernel[...].sum()
+
+    with pytest.raises(ValueError, match="reaches by closure; pass them as arguments"):
+        step()
+
+
+def test_donating_an_nnx_argument_donates_its_state():
+    s = strategy(2)
+    model = s.init(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+    donating = s.function(lambda m, x: m(x).sum(), donate_argnums=(0,))
+    keeping = s.function(lambda m, x: m(x).sum())
+    donating(model, jnp.ones((2, 2)))
+    keeping(model, jnp.ones((2, 2)))
+    [inner] = donating.program._graph_programs.values()
+    [kept] = keeping.program._graph_programs.values()
+    assert inner._donate_argnums == (0,) and kept._donate_argnums == ()
+
+
+def test_a_per_replica_of_another_strategy_is_named():
+    s2, s4 = strategy(2), strategy(4)
+    other = s4.experimental_distribute_values_from_function(lambda ctx: 1.0)
+    with pytest.raises(ValueError, match=r"args\[0\] is a PerReplica with 4 components"):
+        s2.run(lambda x: x + 1, args=(other,))
+
+
+def test_nnx_state_with_rng_keys_checkpoints_and_restores_mirrored():
+    s = strategy(2)
+    model = s.init(lambda: nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3)))
+    path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    jm.checkpoint.save(path, nnx.state(model))
+    fresh = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=7))
+    with s.scope():
+        nnx.update(fresh, jm.checkpoint.restore(path, nnx.state(fresh)))
+    key, saved = fresh.rngs.key[...], model.rngs.key[...]
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(saved))
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    assert key.sharding.device_set == set(jax.devices()[:2])

@@ -6,10 +6,10 @@ says which public spelling is missing.
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 import sys
 
+import jax
+import numpy as np
 from jax._src import core as _core  # trace_state_clean has no public spelling in 0.10
 from jax._src import dispatch as _dispatch  # nor JAX's per-device effect tokens
 from jax._src import dtypes as _dtypes  # nor registering an array-like type (see below)
@@ -120,7 +120,8 @@ def refuse_array_likes_in(code, error, until) -> None:
 
 
 def _check_refused():
-    # Only abstracting a variable outside a trace gets here: never the hot path of a step.
+    # Only JAX abstracting a variable gets here (a step's hot path passes arrays): walking the
+    # stack costs nothing per step.
     frame = sys._getframe(2)
     stops = {until for _, until in _REFUSING.values()}
     while frame is not None:

@@ -109,7 +109,9 @@ def warn_diverged(step_name: str, pairs: list, in_stacked, out_varying,
     if names:
         _warn(f"run: `{step_name}` takes {_listed(names)} the same on every replica and "
               f"returns new versions of them that differ across replicas, so the replicas' "
-              f"copies drift apart (and the next step takes them as PerReplica values)")
+              f"copies drift apart (the next step takes them as PerReplica values, and NNX "
+              f"objects holding them work only inside steps; for BatchNorm statistics use "
+              f"jaxmirror.nn.SyncBatchNorm)")
     variables = sorted({name for o, name in mirrored_writes if out_varying[o]})
     if variables:
         _warn(f"run: `{step_name}` assigns MirroredVariable(s) {_listed(variables)} a value "

@@ -18,6 +18,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
+from jaxmirror.core import context
 from jaxmirror.core.values import is_distributed
 
 
@@ -86,6 +87,10 @@ def _on_devices(x, placement):
 def merged_call(fn, key, state, others):
     """``fn`` called on NNX objects merged from ``state`` (inside the step's trace).
 
+    Each replica draws its own random numbers (dropout masks differ across replicas, as the
+    rows of one device's batch would): the replica id is folded into every ``nnx.Rngs`` key for
+    the call, and the stored keys stay the same on every replica.
+
     Args:
         fn: the user's step function.
         key: as ``split_arguments`` gave it.
@@ -94,6 +99,10 @@ def merged_call(fn, key, state, others):
 
     Returns:
         ``(fn's result, the objects' state after the call)``.
+
+    Raises:
+        ValueError: when ``fn`` changed the objects' structure or static attributes
+            (``model.eval()``), which a step cannot carry out of its program.
     """
     tree, positions, graphdef = key
     nodes = nnx.merge(graphdef, state)
@@ -102,8 +111,24 @@ def merged_call(fn, key, state, others):
     for i in range(len(positions) + len(others)):
         leaves.append(slots[i] if i in slots else next(rest))
     args, kwargs = jax.tree.unflatten(tree, leaves)
+    ctx = context.current().replica_context
+    keys = [v for _, v in nnx.iter_graph(nodes) if isinstance(v, nnx.RngKey)]
+    stored = [v[...] for v in keys]
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        for v, k in zip(keys, stored):
+            v.set_value(jax.random.fold_in(k, ctx.replica_id_in_sync_group))
     out = fn(*args, **kwargs)
-    return out, nnx.state(nodes)
+    for v, k in zip(keys, stored):
+        v.set_value(k)  # the count moved on; the key stays the one every replica shares
+    new_graphdef, new_state = nnx.split(nodes)
+    if new_graphdef != graphdef:
+        raise ValueError(
+            "run: the step changed the NNX objects passed to it beyond their state (a static "
+            "attribute such as `model.eval()`/`model.train()` set, or a submodule added or "
+            "removed); a compiled step carries only their state out; do that outside the "
+            "step, before calling it."
+        )
+    return out, new_state
 
 
 def update(nodes, state) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jaxmirror.core.values import is_distributed
+from jaxmirror.core.values import PerReplica, is_distributed
 from jaxmirror.step.graphs import is_graph_node
 
 
@@ -96,16 +96,37 @@ def mirror_misplaced(placement, args, kwargs):
 
     Returns:
         ``(args, kwargs, names)``: ``names`` lists the arguments moved (empty: nothing was).
+
+    Raises:
+        ValueError: for a ``PerReplica`` of another strategy (its components elsewhere).
     """
     pairs, tree = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_distributed)
     names, leaves = [], []
     for path, x in pairs:
-        if _misplaced(x, placement):
+        if isinstance(x, PerReplica):
+            _check_components(x, placement, _argument(path))
+        elif _misplaced(x, placement):
             names.append(_argument(path))
             x = placement.replicate(x)
         leaves.append(x)
     args, kwargs = jax.tree.unflatten(tree, leaves)
     return args, kwargs, names
+
+
+def _check_components(x, placement, name: str) -> None:
+    stacked = x.stacked
+    if isinstance(stacked, jax.core.Tracer) or not isinstance(stacked, jax.Array):
+        return
+    if (stacked.shape[0] != placement.num_replicas
+            or stacked.sharding.device_set != placement.device_set):
+        raise ValueError(
+            f"run: {name} is a PerReplica with {stacked.shape[0]} components on "
+            f"{sorted(d.id for d in stacked.sharding.device_set)}, but this strategy has "
+            f"{placement.num_replicas} replicas on devices "
+            f"{sorted(d.id for d in placement.device_set)}: a value of another strategy; make "
+            f"it with this strategy (its experimental_distribute_dataset or "
+            f"experimental_distribute_values_from_function), or reduce it there first."
+        )
 
 
 def _argument(path) -> str:

@@ -107,6 +107,7 @@ class Program:
         self._graph_programs = {}  # NNX arguments' (structure, positions, GraphDef) -> Program
         self._counter = self  # whose trace_count/compile_count a trace adds to
         self._warned_placement = False
+        self._effects = False  # the traced step has side effects (host callbacks)
         self._captured = ()  # variables the step reaches by closure, found while tracing
         self._captured_key = None  # the binding of a call without variable arguments
         self._bindings = {}  # (positions, variables, captured) -> its StaticBinding
@@ -206,10 +207,22 @@ class Program:
         if program is None:
             step = functools.partial(_graph_step, self._fn_ref, key)
             step.__name__ = self.__name__
-            program = Program(self._strategy, step, weak=False)
+            # Donating an NNX object donates its state: the object gets the new arrays.
+            donated = any(graphs.has_graph_nodes(args[i]) for i in self._donate_argnums
+                          if i < len(args))
+            program = Program(self._strategy, step, donate_argnums=(0,) if donated else (),
+                              weak=False)
             program._counter = self
             self._graph_programs[key] = program
         out, new_state = program(nnx_state, others)
+        if program._effects:
+            # A host callback may fail at run time; the objects must not take a failed step's
+            # arrays (they would raise on every later read), so wait for it here.
+            try:
+                jax.block_until_ready((out, new_state))
+            except Exception:
+                _compat.forget_failed_effect_tokens()  # reported here, not again at exit
+                raise
         graphs.update(nodes, new_state)  # only after the call succeeded, as nnx.jit does
         return out
 
@@ -319,6 +332,7 @@ class Program:
             return None, None, {}  # no NaN op by op: JAX raises its own error about that
         self._handle_path = traced.handle_path
         self._counter.compile_count += 1  # a trace that got here is compiled (not abandoned)
+        self._effects = self._effects or bool(traced.jaxpr.effects)
         outs = emit(traced, flat, stacked, self._strategy.extended.placement, len(counts))
         n_out = len(outs) - len(traced.written)
         results, new_states = outs[:n_out], outs[n_out:]

@@ -143,7 +143,7 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
             (local[pos][0][0] if local[pos][0] else None, values[first_count + j])
             for j, pos in enumerate(padded)))
         with context.pushed(context.Entry(strategy, ctx, in_run=True)), binding.pushed(frame):
-            result = fn(*a, **k)
+            result = _called(fn, a, k)
             # Still bound: a variable returned by the step is read as the step left it.
             with_paths, tree = jax.tree_util.tree_flatten_with_path(result)
             outs = [_as_output_array(x, path) for path, x in with_paths]
@@ -161,7 +161,8 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
             handle_path=(_no_path,) if smallest is None else _getters(with_paths[smallest][0]),
             written=written,
             force_varying=[False] * len(outs) + varying,
-            pairs=divergence.paired_outputs(fn, a, k, result) if placement.num_replicas > 1 else [],
+            pairs=(divergence.paired_outputs(fn, a, k, result)
+                   if placement.num_replicas > 1 else []),
             mirrored_writes=[(len(outs) + j, name) for j, name in mirrored],
             adopted=adopted,
         )
@@ -186,6 +187,20 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
     row_source = sources[:n_results] + [None] * len(found["written"])
     return Traced(jaxpr=traced, row_source=row_source,
                   name=getattr(fn, "__name__", type(fn).__name__), **found)
+
+
+def _called(fn, args, kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as err:
+        # flax's words when a step uses NNX objects it reached by closure: say what to do.
+        if "different trace level" not in str(err):
+            raise
+        raise ValueError(
+            "run: the step uses flax NNX objects (a model, an optimizer) that it reaches by "
+            "closure; pass them as arguments of the step instead (`step(model, optimizer, "
+            "batch)`): run then updates them after each call, as nnx.jit does."
+        ) from err
 
 
 def local_key(var) -> tuple:

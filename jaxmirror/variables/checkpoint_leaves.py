@@ -95,6 +95,8 @@ def saveable_leaf(path, x):
     if _compat.is_tracer(x):
         raise ValueError(f"jaxmirror.checkpoint: cannot save {where(path)}, a traced value; save "
                          f"outside jax.jit, jax.grad and `run`, from the arrays they return.")
+    if is_key(x):  # a typed PRNG key (nnx.Rngs holds them): saved as its raw key data
+        return jax.random.key_data(x)
     if isinstance(x, (jax.Array, np.ndarray)):
         return x
     if isinstance(x, (np.generic,) + SCALARS):
@@ -102,6 +104,12 @@ def saveable_leaf(path, x):
     raise TypeError(f"jaxmirror.checkpoint: cannot save {where(path)}, a {type(x).__name__}; "
                     f"expected a jaxmirror Variable, a jax.Array, a NumPy array or a Python "
                     f"number.")
+
+
+def is_key(x) -> bool:
+    """Whether ``x`` is a typed PRNG key array (or its abstract value)."""
+    return (isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+            and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key))
 
 
 def target_shape_dtype(path, leaf):
@@ -119,6 +127,9 @@ def target_shape_dtype(path, leaf):
     if _compat.is_tracer(leaf):
         raise ValueError(f"jaxmirror.checkpoint: cannot restore into {where(path)}, a traced "
                          f"value; restore outside jax.jit, jax.grad and `run`.")
+    if is_key(leaf):
+        data = jax.eval_shape(jax.random.key_data, leaf)
+        return tuple(data.shape), np.dtype(data.dtype)
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
         return tuple(leaf.shape), np.dtype(leaf.dtype)
     if isinstance(leaf, SCALARS):
@@ -166,6 +177,10 @@ def placed_like(leaf, x):
         return jax.tree.unflatten(jax.tree.structure(leaf), [placed_like(leaf.value, x)])
     if isinstance(leaf, SCALARS):
         return type(leaf)(np.asarray(x).item())
+    if is_key(leaf):
+        data = jax.device_put(np.asarray(x, np.uint32) if not isinstance(x, jax.Array) else x,
+                              sharding_of(leaf))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(leaf))
     dtype = np.dtype(leaf.dtype)
     sharding = sharding_of(leaf)
     if sharding is None:  # a NumPy target, or an abstract one with no placement: on the host

@@ -1,0 +1,464 @@
+#!/usr/bin/env python
+"""flax NNX objects passed to ``@strategy.run`` against ``nnx.jit`` and hand-written JAX.
+
+Since issue 12 a step takes NNX modules and ``nnx.Optimizer``s as arguments: per call it splits
+them into a graph definition and an ``nnx.State`` (as ``nnx.jit`` does), runs on objects merged
+back inside the program, and updates the caller's objects after it. This times what users write,
+the whole loop per step::
+
+    loss = train_step(model, optimizer, x, y)
+    total += float(loss)                                          # N = 1
+    total += float(strategy.reduce("sum", loss, axis=None))       # N > 1
+
+with ``x, y`` one global batch placed once and reused every step (so only the step is timed).
+Variants, all in the same run, starting from the same weights:
+
+  (a) hand-written. N = 1: ``nnx.jit`` of the same step on the same kind of objects (model and
+      optimizer passed in, split per call by ``nnx.jit``). N > 1: functional
+      ``jax.jit(jax.shard_map(...))`` over ``graphdef, state = nnx.split((model, optimizer))``
+      made once: the body merges, takes the gradient, ``psum``s it, updates, returns the new
+      ``state`` and the ``psum``med loss; ``float(loss)``.
+  (a') a second, independent copy of (a): the A/A control.
+  (b) jaxmirror, NNX objects passed in (the new path): ``model, optimizer = strategy.init(...)``,
+      the step takes them and ``optimizer.update``s in place.
+  (c) jaxmirror, functional: ``graphdef, state = nnx.split((model, optimizer))`` once; the step
+      merges, updates, returns ``nnx.state((model, optimizer))`` and the loss.
+  (f) N = 1 only, for reference: the functional step of (c) under a plain ``jax.jit``, i.e. (a)
+      without ``nnx.jit``'s per-call split.
+  (i) with ``--iterator``: (b) fed by ``next(iterator)`` over ``experimental_distribute_dataset``
+      (16 host batches cycled) instead of the placed batch: the loop of the README.
+
+jaxmirror's steps compute the loss with ``compute_average_loss`` and all-reduce the gradients
+with ``get_replica_context().all_reduce("sum", ...)``; the hand-written ones divide by the global
+batch and ``psum``. Models: "tiny", global batch 256, MLP 32 -> 64 -> 10 (host-bound), and
+"wide", global batch 256, MLP 512 -> 1024 -> 1024 -> 10 (compute-bound, ~2.4 GFLOP a step);
+``optax.adam(1e-3)`` in an ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
+
+Method, per model and N (replicas on the first N of 4 simulated CPU devices; the script sets
+``XLA_FLAGS`` and ``JAX_PLATFORMS=cpu`` itself): the first ``--check`` steps of each variant run
+one at a time (they compile) and their losses must agree with (a)'s (rtol 1e-5). Then
+``--warmup`` untimed steps each, then rounds: a round times K steps of every variant (the loop
+ends with ``float``, so each step is awaited; GC off), in a fresh random order each round
+(``_timing.shuffled_rounds``). Ratios are taken within a round; the table gives per-step
+medians over rounds and the ratios' median [min-max]. At the end all variants' params must
+still agree (every variant ran the same number of steps on the same batch) and no jaxmirror
+step may have traced or compiled again while timed. Last, per case, a warm ``timeit`` of the
+graph work the (b) path adds around its call: ``nnx.split`` and ``nnx.update`` of the objects, the
+hash of their graph definition and a dict lookup by a freshly split one (the graph definition is
+part of the key of the step's program for them).
+
+Run from the repository root:
+    .venv/bin/python benchmarks/nnx_step.py                   # tiny and wide, N = 1, 2, 4
+    .venv/bin/python benchmarks/nnx_step.py --iterator        # adds (i)
+    .venv/bin/python benchmarks/nnx_step.py --quick           # a smoke run, noisy
+"""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse, itertools, json, platform, statistics, subprocess, sys, time  # noqa: E401,E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxmirror  # noqa: E402
+from _timing import devices_and_models, per_call, shuffled_rounds, timed  # noqa: E402  (shared)
+
+NUM_BATCHES = 16  # host batches cycled by the --iterator variant
+# name -> (global batch, layer sizes, (steps per round, rounds), with --quick)
+MODELS = {
+    "tiny": (256, (32, 64, 10), ((100, 12), (20, 3))),
+    "wide": (256, (512, 1024, 1024, 10), ((6, 6), (2, 2))),
+}
+HAND, HAND2, OBJ, STATE, FUNC, ITER = ("(a) hand", "(a') hand A/A", "(b) jm objects",
+                                       "(c) jm state", "(f) jax.jit state", "(i) jm objects+next")
+
+
+class MLP(nnx.Module):
+    def __init__(self, sizes, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs)
+                                for a, b in zip(sizes[:-1], sizes[1:])])
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = nnx.relu(x)
+        return x
+
+
+def build(sizes):
+    model = MLP(sizes, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def host_batches(model: str, seed: int = 0):
+    global_batch, sizes, _ = MODELS[model]
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((global_batch, sizes[0])).astype(np.float32),
+             rng.integers(0, sizes[-1], global_batch).astype(np.int32))
+            for _ in range(NUM_BATCHES)]
+
+
+def summed_loss(model, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(model(x), y).sum()
+
+
+# ---------------------------------------------------------------- jaxmirror: (b), (c), (i)
+
+def jm_objects_loop(strategy, sizes, x, y, iterator=None):
+    """(b): NNX objects passed in; ``loop(k)`` runs k steps and returns the summed loss."""
+    model, optimizer = strategy.init(build, sizes)
+
+    @strategy.run
+    def train_step(model, optimizer, x, y):
+        def loss_fn(model):
+            return jaxmirror.compute_average_loss(
+                optax.softmax_cross_entropy_with_integer_labels(model(x), y))
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        grads = jaxmirror.get_replica_context().all_reduce("sum", grads)
+        optimizer.update(model, grads)
+        return loss
+
+    one = strategy.num_replicas_in_sync == 1
+
+    def loop(k: int) -> float:
+        total = 0.0
+        for _ in range(k):
+            if iterator is None:
+                loss = train_step(model, optimizer, x, y)
+            else:
+                bx, by = next(iterator)
+                loss = train_step(model, optimizer, bx, by)
+            total += float(loss) if one else float(strategy.reduce("sum", loss, axis=None))
+        return total
+
+    loop.params = lambda: _params(nnx.state(model, nnx.Param))
+    loop.counts = lambda: (train_step.trace_count, train_step.compile_count)
+    loop.objects = (model, optimizer)
+    return loop
+
+
+def jm_state_loop(strategy, sizes, x, y):
+    """(c): ``graphdef, state = nnx.split((model, optimizer))`` once; the step returns state."""
+    graphdef, state = nnx.split(strategy.init(build, sizes))
+    box = {"state": state}
+
+    @strategy.run
+    def train_step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss_fn(model):
+            return jaxmirror.compute_average_loss(
+                optax.softmax_cross_entropy_with_integer_labels(model(x), y))
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        grads = jaxmirror.get_replica_context().all_reduce("sum", grads)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    one = strategy.num_replicas_in_sync == 1
+
+    def loop(k: int) -> float:
+        total, s = 0.0, box["state"]
+        for _ in range(k):
+            s, loss = train_step(s, x, y)
+            total += float(loss) if one else float(strategy.reduce("sum", loss, axis=None))
+        box["state"] = s
+        return total
+
+    loop.params = lambda: _params(nnx.merge(graphdef, box["state"])[0], nnx.Param)
+    loop.counts = lambda: (train_step.trace_count, train_step.compile_count)
+    return loop
+
+
+# ---------------------------------------------------------------- hand-written: (a), (f)
+
+def nnx_jit_loop(device, sizes, x, y, global_batch):
+    """(a) at N = 1: ``nnx.jit`` of the step, the objects passed in."""
+    with jax.default_device(device):
+        model, optimizer = build(sizes)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda m: summed_loss(m, x, y) / global_batch)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x, y = jax.device_put((x, y), device)
+
+    def loop(k: int) -> float:
+        total = 0.0
+        for _ in range(k):
+            total += float(train_step(model, optimizer, x, y))
+        return total
+
+    loop.params = lambda: _params(nnx.state(model, nnx.Param))
+    return loop
+
+
+def jit_state_loop(device, sizes, x, y, global_batch):
+    """(f) at N = 1: the functional step under a plain ``jax.jit``."""
+    with jax.default_device(device):
+        graphdef, state = nnx.split(build(sizes))
+    box = {"state": state}
+
+    @jax.jit
+    def train_step(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: summed_loss(m, x, y) / global_batch)(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    x, y = jax.device_put((x, y), device)
+
+    def loop(k: int) -> float:
+        total, s = 0.0, box["state"]
+        for _ in range(k):
+            s, loss = train_step(s, x, y)
+            total += float(loss)
+        box["state"] = s
+        return total
+
+    loop.params = lambda: _params(nnx.merge(graphdef, box["state"])[0], nnx.Param)
+    return loop
+
+
+def shard_map_loop(devices, sizes, x, y, global_batch):
+    """(a) at N > 1: functional ``jax.jit(jax.shard_map(...))`` with ``psum``."""
+    mesh = Mesh(np.array(devices), ("replica",))
+    stacked, replicated = NamedSharding(mesh, P("replica")), NamedSharding(mesh, P())
+    graphdef, state = nnx.split(build(sizes))
+    box = {"state": jax.device_put(state, replicated)}
+
+    def body(state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: summed_loss(m, x, y) / global_batch)(model)
+        grads = jax.lax.psum(grads, "replica")
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), jax.lax.psum(loss, "replica")
+
+    train_step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("replica"), P("replica")),
+                                       out_specs=(P(), P()), check_vma=False))
+    x, y = jax.device_put((x, y), stacked)
+
+    def loop(k: int) -> float:
+        total, s = 0.0, box["state"]
+        for _ in range(k):
+            s, loss = train_step(s, x, y)
+            total += float(loss)
+        box["state"] = s
+        return total
+
+    loop.params = lambda: _params(nnx.merge(graphdef, box["state"])[0], nnx.Param)
+    return loop
+
+
+def _params(tree, *filters) -> list:
+    if filters:
+        tree = nnx.state(tree, *filters)
+    return [np.asarray(v) for v in jax.tree.leaves(tree)]
+
+
+# ---------------------------------------------------------------- the benchmark
+
+def bench(model: str, n: int, args) -> dict:
+    global_batch, sizes, schedule = MODELS[model]
+    k, rounds = schedule[args.quick]
+    k, rounds = args.steps or k, args.rounds or rounds
+    batches = host_batches(model)
+    x, y = batches[0]
+    devices = jax.devices()[:n]
+    strategy = jaxmirror.MirroredStrategy(devices)
+    # The placed batch jaxmirror's steps reuse: what next(iterator) gives (PerReplica at N > 1).
+    px, py = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+    loops = {}
+    if n == 1:
+        loops[HAND] = nnx_jit_loop(devices[0], sizes, x, y, global_batch)
+        loops[HAND2] = nnx_jit_loop(devices[0], sizes, x, y, global_batch)
+    else:
+        loops[HAND] = shard_map_loop(devices, sizes, x, y, global_batch)
+        loops[HAND2] = shard_map_loop(devices, sizes, x, y, global_batch)
+    loops[OBJ] = jm_objects_loop(strategy, sizes, px, py)
+    loops[STATE] = jm_state_loop(strategy, sizes, px, py)
+    if n == 1:
+        loops[FUNC] = jit_state_loop(devices[0], sizes, x, y, global_batch)
+    if args.iterator:
+        same = lambda: itertools.repeat(batches[0])  # noqa: E731  (same batch: params comparable)
+        iterator = iter(strategy.experimental_distribute_dataset(same))
+        loops[ITER] = jm_objects_loop(strategy, sizes, None, None, iterator)
+
+    losses = {name: [loop(1) for _ in range(args.check)] for name, loop in loops.items()}
+    for name in loops:
+        np.testing.assert_allclose(losses[name], losses[HAND], rtol=1e-5,
+                                   err_msg=f"{model} N={n}: {name}'s losses vs (a)'s")
+    for loop in loops.values():
+        loop(args.warmup)
+    counts = {name: loop.counts() for name, loop in loops.items() if hasattr(loop, "counts")}
+
+    timers = {name: (lambda loop=loop: timed(loop, k)) for name, loop in loops.items()}
+    times = shuffled_rounds(timers, rounds, seconds=args.case_seconds)
+
+    for name, loop in loops.items():
+        if hasattr(loop, "counts"):
+            assert loop.counts() == counts[name], (
+                f"{model} N={n}: {name} traced or compiled again while timed: "
+                f"{counts[name]} -> {loop.counts()}")
+    ref, worst = loops[HAND].params(), 0.0
+    for name, loop in loops.items():
+        for a, b in zip(loop.params(), ref):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{model} N={n} after timing: {name} vs (a)")
+            worst = max(worst, float(np.max(np.abs(a - b))))
+    split_pieces = pieces(loops[OBJ].objects) if args.pieces else {}
+    ratios = {name: [a / b for a, b in zip(times[name], times[HAND])] for name in loops}
+    ratios["(b)/(c)"] = [a / b for a, b in zip(times[OBJ], times[STATE])]
+    diffs = {"(b)-(c)": [a - b for a, b in zip(times[OBJ], times[STATE])]}
+    if n == 1:
+        diffs["(a)-(f)"] = [a - b for a, b in zip(times[HAND], times[FUNC])]
+    return {"model": model, "n": n, "steps_per_round": k, "rounds": len(times[HAND]),
+            "seconds_per_step": times, "ratios": ratios, "differences": diffs,
+            "params_max_abs_diff": worst, "trace_compile_counts": counts,
+            "pieces_seconds": split_pieces}
+
+
+def pieces(objects, number: int = 200, repeat: int = 7) -> dict:
+    """Warm per-call seconds of the graph work a step given NNX objects does around its call."""
+    graphdef, state = nnx.split(objects)
+    programs, fresh = {graphdef: None}, nnx.split(objects)[0]  # equal, not the same object
+    return {"nnx.split((model, optimizer))": per_call(lambda: nnx.split(objects), number, repeat),
+            "nnx.update((model, optimizer), state)":
+                per_call(lambda: nnx.update(objects, state), number, repeat),
+            "hash(graphdef)": per_call(lambda: hash(graphdef), number, repeat),
+            "dict lookup by a freshly split graphdef (hash + ==)":
+                per_call(lambda: programs.get(fresh), number, repeat),
+            "leaves in the state": len(jax.tree.leaves(state))}
+
+
+def _checkout() -> str:
+    """The imported jaxmirror's git commit, and whether its jaxmirror/ has uncommitted changes."""
+    git = ["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(jaxmirror.__file__)))]
+    try:
+        out = [subprocess.run(git + c, capture_output=True, text=True, check=True).stdout.strip()
+               for c in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "jaxmirror"])]
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+    return f"commit {out[0]}, " + ("jaxmirror/ modified" if out[1] else "clean")
+
+
+def _spread(xs) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}–{max(xs):.3f}]"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", default="1,2,4", help="replica counts, comma-separated")
+    ap.add_argument("--models", default="tiny,wide", help=f"comma-separated, from {sorted(MODELS)}")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed rounds at least (default: tiny 12, wide 6)")
+    ap.add_argument("--case-seconds", type=float, default=4.0,
+                    help="more rounds (up to 10x) until a case has taken this long")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="steps per round per variant (default: tiny 100, wide 4)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps per variant")
+    ap.add_argument("--check", type=int, default=3,
+                    help="first steps whose losses must agree (these also compile)")
+    ap.add_argument("--iterator", action="store_true",
+                    help="add (i): (b) fed by next(iterator) over experimental_distribute_dataset")
+    ap.add_argument("--no-pieces", dest="pieces", action="store_false",
+                    help="skip the warm timeit of nnx.split / nnx.update per model and N")
+    ap.add_argument("--json", metavar="PATH", help="write the raw numbers here")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: few rounds; noisy")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.warmup, args.case_seconds = 2, 0.0
+    checked = devices_and_models(ap, args.devices, args.models, MODELS, _FLAG)
+    if checked is None:
+        return 2
+    ns, models = checked
+
+    command = " ".join([os.path.basename(sys.executable)] + sys.argv)
+    print(f"# flax NNX steps: jaxmirror vs hand-written: {jax.device_count()} simulated "
+          f"{jax.default_backend()} devices, {os.cpu_count()} host cores, jax {jax.__version__}, "
+          f"flax {__import__('flax').__version__}, Python {platform.python_version()}")
+    print(f"# command: {command}")
+    checkout = _checkout()
+    print(f"# jaxmirror: {jaxmirror.__file__} ({checkout})")
+    for m in models:
+        g, sizes, _ = MODELS[m]
+        print(f"# {m}: global batch {g}, MLP {' -> '.join(map(str, sizes))}, "
+              f"nnx.Optimizer(adam 1e-3); one placed batch reused every step")
+    print()
+
+    results, t_start = [], time.perf_counter()
+    for m in models:
+        for n in ns:
+            t0 = time.perf_counter()
+            r = bench(m, n, args)
+            results.append(r)
+            print(f"  done {m} N={n} in {time.perf_counter() - t0:.1f}s: (b)/(a) "
+                  f"{statistics.median(r['ratios'][OBJ]):.3f}, (c)/(a) "
+                  f"{statistics.median(r['ratios'][STATE]):.3f}", file=sys.stderr, flush=True)
+
+    extra = [ITER] if args.iterator else []
+    print("µs/step: median over rounds of the whole loop (step, [reduce,] float); ratios taken "
+          "within a round: median [min–max]; differences: median of within-round differences. "
+          "(a) is nnx.jit at N=1, jit(shard_map) over nnx.split state at N>1.")
+    print()
+    head = (["model", "N", "steps × rounds", "(a) hand µs", "(b) jm objects µs",
+             "(c) jm state µs"]
+            + [f"{e} µs" for e in extra]
+            + ["(b)/(a)", "(c)/(a)", "(b)/(c)", "(b)−(c) µs"] + [f"{e}/(a)" for e in extra]
+            + ["A/A (a')/(a)", "(f) jax.jit state µs (N=1)", "(a)−(f) µs (N=1)",
+               "params max abs diff"])
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in results:
+        med = {k: statistics.median(v) * 1e6 for k, v in r["seconds_per_step"].items()}
+        d = {k: statistics.median(v) * 1e6 for k, v in r["differences"].items()}
+        rt = r["ratios"]
+        row = ([r["model"], r["n"], f"{r['steps_per_round']} × {r['rounds']}",
+                f"{med[HAND]:.1f}", f"{med[OBJ]:.1f}", f"{med[STATE]:.1f}"]
+               + [f"{med[e]:.1f}" for e in extra]
+               + [_spread(rt[OBJ]), _spread(rt[STATE]), _spread(rt["(b)/(c)"]),
+                  f"{d['(b)-(c)']:.1f}"] + [_spread(rt[e]) for e in extra]
+               + [_spread(rt[HAND2]),
+                  f"{med[FUNC]:.1f}" if FUNC in med else "–",
+                  f"{d['(a)-(f)']:.1f}" if "(a)-(f)" in d else "–",
+                  f"{r['params_max_abs_diff']:.1e}"])
+        print("| " + " | ".join(map(str, row)) + " |")
+    if args.pieces:
+        print()
+        print("Warm per-call µs (timeit, median of 7 × 200) of the graph work around a step "
+              "given NNX objects, on the (b) objects:")
+        print()
+        names = [k for k in results[0]["pieces_seconds"] if not k.startswith("leaves")]
+        print("| model | N | leaves in the state | " + " | ".join(names) + " |")
+        print("|" + "---|" * (3 + len(names)))
+        for r in results:
+            p = r["pieces_seconds"]
+            print(f"| {r['model']} | {r['n']} | {p['leaves in the state']} | "
+                  + " | ".join(f"{p[k] * 1e6:.1f}" for k in names) + " |")
+    print()
+    print(f"# total {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, "jaxmirror_checkout": checkout, "jax": jax.__version__,
+                       "python": platform.python_version(), "host_cores": os.cpu_count(),
+                       "args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
