@@ -550,3 +550,22 @@ def test_nnx_state_with_rng_keys_checkpoints_and_restores_mirrored():
     np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(saved))
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     assert key.sharding.device_set == set(jax.devices()[:2])
+
+
+@pytest.mark.filterwarnings("ignore:Using .Module.sow:DeprecationWarning")
+def test_sown_intermediates_come_out_of_the_step():
+    s = strategy(2)
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.l = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            y = self.l(x)
+            self.sow(nnx.Intermediate, "act", y)
+            return y
+
+    net = Net()
+    s.run(lambda m, x: m(x).sum(), args=(net, jnp.ones((3, 2))))
+    (act,) = net.act.get_value()
+    np.testing.assert_allclose(np.asarray(act), np.asarray(net.l(jnp.ones((3, 2)))), rtol=1e-6)

@@ -78,8 +78,7 @@ def split_arguments(args, kwargs, placement):
 
 
 def _on_devices(x, placement):
-    if (isinstance(x, jax.Array) and placement.num_replicas > 1
-            and x.sharding.device_set != placement.device_set):
+    if isinstance(x, jax.Array) and x.sharding.device_set != placement.device_set:
         return placement.replicate(x)
     return x
 
@@ -121,7 +120,8 @@ def merged_call(fn, key, state, others):
     for v, k in zip(keys, stored):
         v.set_value(k)  # the count moved on; the key stays the one every replica shares
     new_graphdef, new_state = nnx.split(nodes)
-    if new_graphdef != graphdef:
+    if new_graphdef != graphdef and not _carried_by_update(graphdef, state, new_graphdef,
+                                                           new_state):
         raise ValueError(
             "run: the step changed the NNX objects passed to it beyond their state (a static "
             "attribute such as `model.eval()`/`model.train()` set, or a submodule added or "
@@ -129,6 +129,14 @@ def merged_call(fn, key, state, others):
             "step, before calling it."
         )
     return out, new_state
+
+
+def _carried_by_update(graphdef, state, new_graphdef, new_state) -> bool:
+    # New variables (``sow``n intermediates) reach the caller's objects through nnx.update;
+    # static attributes (``model.eval()``) do not. Tried once, at trace time, on a copy.
+    probe = nnx.merge(graphdef, state)
+    nnx.update(probe, new_state)
+    return nnx.graphdef(probe) == new_graphdef
 
 
 def update(nodes, state) -> None:
