@@ -569,3 +569,11 @@ def test_sown_intermediates_come_out_of_the_step():
     s.run(lambda m, x: m(x).sum(), args=(net, jnp.ones((3, 2))))
     (act,) = net.act.get_value()
     np.testing.assert_allclose(np.asarray(act), np.asarray(net.l(jnp.ones((3, 2)))), rtol=1e-6)
+
+
+def test_numpy_conversion_of_a_per_replica_says_what_to_use():
+    s = strategy(2)
+    v = s.experimental_distribute_values_from_function(lambda ctx: 1.0)
+    with pytest.raises(TypeError, match="experimental_local_results.*v.stacked"):
+        np.asarray(v)
+    assert np.asarray(v.stacked).tolist() == [1.0, 1.0]

@@ -115,6 +115,15 @@ class PerReplica(DistributedValues):
     def _payload(self):
         return self._stacked
 
+    def __array__(self, dtype=None, copy=None):
+        # NumPy would silently make a 0-d object array of the wrapper.
+        raise TypeError(
+            "PerReplica: cannot convert to one NumPy array; take this process's components "
+            "with strategy.experimental_local_results(v), concatenate them with "
+            "strategy.gather(v, axis=0), combine them with strategy.reduce, or use the "
+            "replica-stacked global array v.stacked."
+        )
+
 
 class GatheredPerReplica(PerReplica):
     """A replica-context value seen from a ``merge_fn``: this replica's component, stacked on demand.
