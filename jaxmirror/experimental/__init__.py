@@ -6,10 +6,10 @@ Example:
     2
 """
 
+from jaxmirror import planned
 from jaxmirror.core.devices import simulate_cpu_devices
 from jaxmirror.data.distribute_values import ValueContext
 from jaxmirror.data.options import AutoShardPolicy
-from jaxmirror import planned
 from jaxmirror.step.divergence import ReplicaDivergenceWarning, check_replicas
 from jaxmirror.step.padding_check import PaddedRowsWarning
 
