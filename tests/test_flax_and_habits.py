@@ -577,3 +577,19 @@ def test_numpy_conversion_of_a_per_replica_says_what_to_use():
     with pytest.raises(TypeError, match="experimental_local_results.*v.stacked"):
         np.asarray(v)
     assert np.asarray(v.stacked).tolist() == [1.0, 1.0]
+
+
+def test_a_step_raising_its_own_value_error_is_not_retried_with_mirrored_arguments():
+    s = strategy(2)
+    calls = []
+
+    def step(p):
+        calls.append(1)
+        raise ValueError("the step's own error")
+
+    params = {"w": jax.device_put(jnp.ones(3), jax.devices()[0])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="the step's own error"):
+            s.run(step, args=(params,))
+    assert len(calls) == 1

@@ -142,9 +142,9 @@ class Program:
         except graphs.GraphArguments:
             self._mode = Program._call_with_graphs
             return self._call_with_graphs(args, kwargs)
-        except (TypeError, ValueError):  # jax.jit refuses Variable arguments, and bad ones
+        except (TypeError, ValueError) as err:  # jax.jit refuses Variable arguments, bad ones
             check_arguments(args, kwargs, "run")  # a bad one: name it, in place of JAX's error
-            moved = self._mirrored_arguments(args, kwargs)
+            moved = self._mirrored_arguments(args, kwargs, err)
             if moved is not None:
                 return self(*moved[0], **moved[1])
             if not _has_variables(args, kwargs):
@@ -173,20 +173,21 @@ class Program:
         except graphs.GraphArguments:
             self._mode = Program._call_with_graphs
             return self._call_with_graphs(args, kwargs)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError) as err:
             check_arguments(args, kwargs, "run")  # a bad argument: name it, in place of JAX's
-            moved = self._mirrored_arguments(args, kwargs)
+            moved = self._mirrored_arguments(args, kwargs, err)
             if moved is None:
                 raise
             return self._call_with_variable_args(*moved)
         return self._finish(out, token)
 
-    def _mirrored_arguments(self, args, kwargs):
+    def _mirrored_arguments(self, args, kwargs, err):
         """``(args, kwargs)`` with arrays on other devices mirrored (as TF does), or ``None``
-        when none is; says once per step that each such call pays a copy."""
+        when JAX's ``err`` was not about devices or none is; says once per step that each such
+        call pays a copy."""
         args, kwargs, names = placing.mirror_misplaced(self._strategy.extended.placement,
                                                        args, kwargs)
-        if not names:
+        if not names or "devices" not in str(err):  # the step's own error: not ours to retry
             return None
         if not self._warned_placement:
             self._warned_placement = True
