@@ -6,15 +6,18 @@ Import it after the script has set ``XLA_FLAGS`` (it imports JAX).
 from __future__ import annotations
 
 import gc
-import sys
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxmirror
 from jaxmirror.core import inflight as _inflight
 
 
@@ -114,6 +117,22 @@ def per_call(fn, number: int, repeat: int) -> float:
     finally:
         gc.enable()
     return statistics.median(runs)
+
+
+def checkout() -> str:
+    """The imported jaxmirror's git commit, and whether its jaxmirror/ has uncommitted changes."""
+    git = ["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(jaxmirror.__file__)))]
+    try:
+        out = [subprocess.run(git + c, capture_output=True, text=True, check=True).stdout.strip()
+               for c in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "jaxmirror"])]
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+    return f"commit {out[0]}, " + ("jaxmirror/ modified" if out[1] else "clean")
+
+
+def spread(xs) -> str:
+    """``median [min–max]`` of ``xs``, three decimals (how the scripts print ratios)."""
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}–{max(xs):.3f}]"
 
 
 def us(s: float | None) -> str:

@@ -61,7 +61,7 @@ _FLAG = "--xla_force_host_platform_device_count=4"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse, itertools, json, platform, statistics, subprocess, sys, time  # noqa: E401,E402
+import argparse, itertools, json, platform, statistics, sys, time  # noqa: E401,E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -71,7 +71,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
-from _timing import devices_and_models, per_call, shuffled_rounds, timed  # noqa: E402  (shared)
+from _timing import (checkout, devices_and_models, per_call, shuffled_rounds,  # noqa: E402
+                     spread, timed)  # (shared)
 
 NUM_BATCHES = 16  # host batches cycled by the --iterator variant
 # name -> (global batch, layer sizes, (steps per round, rounds), with --quick)
@@ -151,7 +152,6 @@ def jm_objects_loop(strategy, sizes, x, y, iterator=None):
 def jm_state_loop(strategy, sizes, x, y):
     """(c): ``graphdef, state = nnx.split((model, optimizer))`` once; the step returns state."""
     graphdef, state = nnx.split(strategy.init(build, sizes))
-    box = {"state": state}
 
     @strategy.run
     def train_step(state, x, y):
@@ -166,16 +166,8 @@ def jm_state_loop(strategy, sizes, x, y):
         return nnx.state((model, optimizer)), loss
 
     one = strategy.num_replicas_in_sync == 1
-
-    def loop(k: int) -> float:
-        total, s = 0.0, box["state"]
-        for _ in range(k):
-            s, loss = train_step(s, x, y)
-            total += float(loss) if one else float(strategy.reduce("sum", loss, axis=None))
-        box["state"] = s
-        return total
-
-    loop.params = lambda: _params(nnx.merge(graphdef, box["state"])[0], nnx.Param)
+    loop = _state_loop(train_step, graphdef, state, x, y, float if one else (
+        lambda loss: float(strategy.reduce("sum", loss, axis=None))))
     loop.counts = lambda: (train_step.trace_count, train_step.compile_count)
     return loop
 
@@ -209,7 +201,6 @@ def jit_state_loop(device, sizes, x, y, global_batch):
     """(f) at N = 1: the functional step under a plain ``jax.jit``."""
     with jax.default_device(device):
         graphdef, state = nnx.split(build(sizes))
-    box = {"state": state}
 
     @jax.jit
     def train_step(state, x, y):
@@ -218,18 +209,7 @@ def jit_state_loop(device, sizes, x, y, global_batch):
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss
 
-    x, y = jax.device_put((x, y), device)
-
-    def loop(k: int) -> float:
-        total, s = 0.0, box["state"]
-        for _ in range(k):
-            s, loss = train_step(s, x, y)
-            total += float(loss)
-        box["state"] = s
-        return total
-
-    loop.params = lambda: _params(nnx.merge(graphdef, box["state"])[0], nnx.Param)
-    return loop
+    return _state_loop(train_step, graphdef, state, *jax.device_put((x, y), device))
 
 
 def shard_map_loop(devices, sizes, x, y, global_batch):
@@ -237,7 +217,6 @@ def shard_map_loop(devices, sizes, x, y, global_batch):
     mesh = Mesh(np.array(devices), ("replica",))
     stacked, replicated = NamedSharding(mesh, P("replica")), NamedSharding(mesh, P())
     graphdef, state = nnx.split(build(sizes))
-    box = {"state": jax.device_put(state, replicated)}
 
     def body(state, x, y):
         model, optimizer = nnx.merge(graphdef, state)
@@ -248,13 +227,20 @@ def shard_map_loop(devices, sizes, x, y, global_batch):
 
     train_step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("replica"), P("replica")),
                                        out_specs=(P(), P()), check_vma=False))
-    x, y = jax.device_put((x, y), stacked)
+    return _state_loop(train_step, graphdef, jax.device_put(state, replicated),
+                       *jax.device_put((x, y), stacked))
+
+
+def _state_loop(train_step, graphdef, state, x, y, loss_value=float):
+    """The timed loop of a functional step ``train_step(state, x, y) -> (state, loss)``:
+    ``total += loss_value(loss)`` per step, the state threaded through the calls."""
+    box = {"state": state}
 
     def loop(k: int) -> float:
         total, s = 0.0, box["state"]
         for _ in range(k):
             s, loss = train_step(s, x, y)
-            total += float(loss)
+            total += loss_value(loss)
         box["state"] = s
         return total
 
@@ -344,21 +330,6 @@ def pieces(objects, number: int = 200, repeat: int = 7) -> dict:
             "leaves in the state": len(jax.tree.leaves(state))}
 
 
-def _checkout() -> str:
-    """The imported jaxmirror's git commit, and whether its jaxmirror/ has uncommitted changes."""
-    git = ["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(jaxmirror.__file__)))]
-    try:
-        out = [subprocess.run(git + c, capture_output=True, text=True, check=True).stdout.strip()
-               for c in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "jaxmirror"])]
-    except (OSError, subprocess.CalledProcessError):
-        return "not a git checkout"
-    return f"commit {out[0]}, " + ("jaxmirror/ modified" if out[1] else "clean")
-
-
-def _spread(xs) -> str:
-    return f"{statistics.median(xs):.3f} [{min(xs):.3f}–{max(xs):.3f}]"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -392,8 +363,8 @@ def main(argv=None) -> int:
           f"{jax.default_backend()} devices, {os.cpu_count()} host cores, jax {jax.__version__}, "
           f"flax {__import__('flax').__version__}, Python {platform.python_version()}")
     print(f"# command: {command}")
-    checkout = _checkout()
-    print(f"# jaxmirror: {jaxmirror.__file__} ({checkout})")
+    commit = checkout()
+    print(f"# jaxmirror: {jaxmirror.__file__} ({commit})")
     for m in models:
         g, sizes, _ = MODELS[m]
         print(f"# {m}: global batch {g}, MLP {' -> '.join(map(str, sizes))}, "
@@ -430,9 +401,9 @@ def main(argv=None) -> int:
         row = ([r["model"], r["n"], f"{r['steps_per_round']} × {r['rounds']}",
                 f"{med[HAND]:.1f}", f"{med[OBJ]:.1f}", f"{med[STATE]:.1f}"]
                + [f"{med[e]:.1f}" for e in extra]
-               + [_spread(rt[OBJ]), _spread(rt[STATE]), _spread(rt["(b)/(c)"]),
-                  f"{d['(b)-(c)']:.1f}"] + [_spread(rt[e]) for e in extra]
-               + [_spread(rt[HAND2]),
+               + [spread(rt[OBJ]), spread(rt[STATE]), spread(rt["(b)/(c)"]),
+                  f"{d['(b)-(c)']:.1f}"] + [spread(rt[e]) for e in extra]
+               + [spread(rt[HAND2]),
                   f"{med[FUNC]:.1f}" if FUNC in med else "–",
                   f"{d['(a)-(f)']:.1f}" if "(a)-(f)" in d else "–",
                   f"{r['params_max_abs_diff']:.1e}"])
@@ -454,7 +425,7 @@ def main(argv=None) -> int:
 
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": command, "jaxmirror_checkout": checkout, "jax": jax.__version__,
+            json.dump({"command": command, "jaxmirror_checkout": commit, "jax": jax.__version__,
                        "python": platform.python_version(), "host_cores": os.cpu_count(),
                        "args": vars(args), "results": results}, f, indent=1)
     return 0

@@ -66,7 +66,7 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse, gc, itertools, json, platform, statistics, subprocess, sys, time  # noqa: E401,E402
+import argparse, gc, itertools, json, platform, statistics, sys, time  # noqa: E401,E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -75,7 +75,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
-from _timing import devices_and_models, mlp, timed  # noqa: E402  (shared)
+from _timing import checkout, devices_and_models, mlp, spread, timed  # noqa: E402  (shared)
 
 LR = 0.1
 NUM_BATCHES = 16  # distinct host global batches, cycled through
@@ -219,21 +219,6 @@ def bench(model: str, n: int, args) -> dict:
             "params_max_abs_diff": diff, "jaxmirror_trace_compile_counts": warm_counts}
 
 
-def _checkout() -> str:
-    """The imported jaxmirror's git commit, and whether its jaxmirror/ has uncommitted changes."""
-    git = ["git", "-C", os.path.dirname(os.path.dirname(os.path.abspath(jaxmirror.__file__)))]
-    try:
-        out = [subprocess.run(git + c, capture_output=True, text=True, check=True).stdout.strip()
-               for c in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "jaxmirror"])]
-    except (OSError, subprocess.CalledProcessError):
-        return "not a git checkout"
-    return f"commit {out[0]}, " + ("jaxmirror/ modified" if out[1] else "clean")
-
-
-def _spread(xs) -> str:
-    return f"{statistics.median(xs):.3f} [{min(xs):.3f}–{max(xs):.3f}]"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,8 +248,8 @@ def main(argv=None) -> int:
           f"simulated {jax.default_backend()} devices, {os.cpu_count()} host cores, "
           f"jax {jax.__version__}, Python {platform.python_version()}")
     print(f"# command: {command}")
-    checkout = _checkout()
-    print(f"# jaxmirror: {jaxmirror.__file__} ({checkout})")
+    commit = checkout()
+    print(f"# jaxmirror: {jaxmirror.__file__} ({commit})")
     print(f"# rounds alternate the order jm, base, base' / base', base, jm; "
           f"warmup {args.warmup}, losses checked over the first {args.check} steps"
           + (" (--quick: noisy)" if args.quick else ""))
@@ -293,8 +278,8 @@ def main(argv=None) -> int:
     for r in results:
         med = {k: statistics.median(v) * 1e6 for k, v in r["seconds_per_step"].items()}
         print(f"| {r['model']} | {r['n']} | {r['steps_per_round']} × {r['rounds']} "
-              f"| {med[BASE]:.1f} | {med[JM]:.1f} | {_spread(r['ratio'])} "
-              f"| {_spread(r['control'])} | {r['losses_max_rel_diff']:.1e} ({args.check} steps) "
+              f"| {med[BASE]:.1f} | {med[JM]:.1f} | {spread(r['ratio'])} "
+              f"| {spread(r['control'])} | {r['losses_max_rel_diff']:.1e} ({args.check} steps) "
               f"| {r['params_max_abs_diff']:.1e} |")
     print()
     print(f"# total {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
@@ -302,7 +287,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": command, "jaxmirror_file": jaxmirror.__file__,
-                       "jaxmirror_checkout": checkout,
+                       "jaxmirror_checkout": commit,
                        "jax": jax.__version__, "python": platform.python_version(),
                        "host_cores": os.cpu_count(), "devices": jax.device_count(),
                        "args": vars(args), "results": results}, f, indent=1)
