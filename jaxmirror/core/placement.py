@@ -24,8 +24,10 @@ class Placement:
     Attributes are plain values fixed at construction: ``devices`` (one per replica, in replica
     order), ``parameter_devices``, ``distributed_variables``, ``axis_name``, ``mesh`` (1-D),
     ``device_set``, ``num_replicas``, ``num_local_replicas`` (this process's),
-    ``replicated_sharding`` (Mirrored values), ``replica_sharding`` (stacked PerReplica values)
-    and ``bound_in_flight`` (whether steps queued on these devices must be bounded).
+    ``replicated_sharding`` (Mirrored values), ``mirrored_sharding`` (where ``replicate`` puts a
+    value: ``replicated_sharding``, or the one device of a one-replica strategy),
+    ``replica_sharding`` (stacked PerReplica values) and ``bound_in_flight`` (whether steps
+    queued on these devices must be bounded).
 
     Args:
         devices: the JAX devices that run one replica each, in replica order.
@@ -45,7 +47,7 @@ class Placement:
 
     __slots__ = ("devices", "parameter_devices", "distributed_variables", "axis_name", "mesh",
                  "device_set", "num_replicas", "num_local_replicas", "replicated_sharding",
-                 "replica_sharding", "bound_in_flight")
+                 "mirrored_sharding", "replica_sharding", "bound_in_flight")
 
     def __init__(self, devices, parameter_devices=None, distributed_variables: bool = True):
         self.devices = tuple(devices)
@@ -58,6 +60,8 @@ class Placement:
         me = jax.process_index()
         self.num_local_replicas = sum(d.process_index == me for d in self.devices)
         self.replicated_sharding = NamedSharding(self.mesh, P())
+        self.mirrored_sharding = (jax.sharding.SingleDeviceSharding(self.devices[0])
+                                  if self.num_replicas == 1 else self.replicated_sharding)
         self.replica_sharding = NamedSharding(self.mesh, P(AXIS_NAME))
         self.bound_in_flight = inflight.needs_bound(self.devices)
 
@@ -70,9 +74,7 @@ class Placement:
         Returns:
             The same, as ``jax.Array``s replicated over the mesh.
         """
-        if self.num_replicas == 1:
-            return jax.device_put(value, self.devices[0])
-        return jax.device_put(value, self.replicated_sharding)
+        return jax.device_put(value, self.mirrored_sharding)
 
     def place_stacked(self, stacked):
         """A replica-stacked array (components along axis 0) placed one component per replica.

@@ -18,12 +18,6 @@ from jaxmirror.core.values import PerReplica, is_distributed
 from jaxmirror.step.graphs import is_graph_node
 
 
-def _sharding(placement):
-    if placement.num_replicas == 1:
-        return jax.sharding.SingleDeviceSharding(placement.devices[0])
-    return placement.replicated_sharding
-
-
 def _misplaced(x, placement) -> bool:
     # Uncommitted arrays (made without a device) go wherever jax.jit puts them.
     return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed
@@ -43,14 +37,12 @@ def replicate(placement, tree):
     Returns:
         The same structure, placed.
     """
-    sharding = _sharding(placement)
-
     def place(x):
         if is_graph_node(x):
-            nnx.update(x, jax.device_put(nnx.state(x), sharding))
+            nnx.update(x, placement.replicate(nnx.state(x)))
             return x
         if isinstance(x, jax.Array) or (hasattr(x, "__array__") and not is_distributed(x)):
-            return jax.device_put(x, sharding)
+            return placement.replicate(x)
         return x
 
     return jax.tree.map(place, tree, is_leaf=lambda x: is_graph_node(x) or is_distributed(x))
@@ -79,7 +71,7 @@ def build_replicated(placement, fn, args, kwargs):
         built.update(tree=tree, positions=positions, graphdef=graphdef, n=len(leaves))
         return state, [x for i, x in enumerate(leaves) if i not in positions]
 
-    state, others = jax.jit(pure, out_shardings=_sharding(placement))()
+    state, others = jax.jit(pure, out_shardings=placement.mirrored_sharding)()
     nodes = dict(zip(built["positions"], nnx.merge(built["graphdef"], state)))
     rest = iter(others)
     leaves = [nodes[i] if i in nodes else next(rest) for i in range(built["n"])]

@@ -164,9 +164,7 @@ def sharding_of(leaf):
         placement = strategy.extended.placement
         if leaf.sharding is not None and leaf.sharding.device_set == placement.device_set:
             return leaf.sharding
-        if placement.num_replicas == 1:
-            return jax.sharding.SingleDeviceSharding(placement.devices[0])
-        return placement.replicated_sharding
+        return placement.mirrored_sharding
     return None
 
 
