@@ -1,6 +1,6 @@
 """TF names jaxmirror has not built yet: using one says it is planned and what to use today.
 
-``jaxmirror.experimental.CentralStorageStrategy``, ``ParameterServerStrategy`` and
+``jaxmirror.experimental.ParameterServerStrategy`` and
 ``jaxmirror.cluster_resolver.RayClusterResolver`` are what TF users reach for; a bare
 ``AttributeError`` would read as a typo. Each is a placeholder class whose construction raises
 ``NotImplementedError`` with the plan and today's alternative; the real classes replace these
@@ -8,23 +8,20 @@ entries as they land.
 
 Example:
     >>> import jaxmirror
-    >>> jaxmirror.experimental.CentralStorageStrategy()
+    >>> jaxmirror.experimental.ParameterServerStrategy(None)
     Traceback (most recent call last):
     ...
-    NotImplementedError: jaxmirror.experimental.CentralStorageStrategy is planned but not built yet ...
+    NotImplementedError: jaxmirror.experimental.ParameterServerStrategy is planned but not built yet ...
 """
 
 from __future__ import annotations
 
-_ONE_MACHINE = "jaxmirror.MirroredStrategy over this machine's devices"
 _SYNCHRONOUS = ("jaxmirror.MultiWorkerMirroredStrategy (synchronous training across workers) "
                 "or jaxmirror.MirroredStrategy on one machine")
 
 # namespace -> name -> (what it will be, what to use today)
 PLANNED = {
     "jaxmirror.experimental": {
-        "CentralStorageStrategy": (
-            "variables kept once on a parameter device, compute mirrored", _ONE_MACHINE),
         "ParameterServerStrategy": (
             "asynchronous parameter-server training on Ray", _SYNCHRONOUS),
     },
@@ -63,8 +60,8 @@ def planned_attribute(namespace: str, name: str):
         AttributeError: for names that are not planned.
 
     Example:
-        >>> planned_attribute("jaxmirror.experimental", "CentralStorageStrategy").__name__
-        'CentralStorageStrategy'
+        >>> planned_attribute("jaxmirror.experimental", "ParameterServerStrategy").__name__
+        'ParameterServerStrategy'
     """
     qualname = f"{namespace}.{name}"
     entry = PLANNED.get(namespace, {}).get(name)

@@ -38,8 +38,8 @@ def test_public_names_are_pinned():
     assert sorted(jm.__all__) == sorted(PUBLIC)
     assert all(hasattr(jm, name) for name in PUBLIC)
     assert sorted(jm.experimental.__all__) == [
-        "AutoShardPolicy", "CommunicationImplementation", "CommunicationOptions", "FileDataset",
-        "MultiWorkerMirroredStrategy", "PaddedRowsWarning", "ReplicaDivergenceWarning",
+        "AutoShardPolicy", "CentralStorageStrategy", "CommunicationImplementation",
+        "CommunicationOptions", "FileDataset", "MultiWorkerMirroredStrategy", "PaddedRowsWarning", "ReplicaDivergenceWarning",
         "ValueContext", "check_replicas", "simulate_cpu_devices"]
     assert sorted(jm.cluster_resolver.__all__) == [
         "ClusterResolver", "ClusterSpec", "SimpleClusterResolver", "SlurmClusterResolver",

@@ -432,7 +432,6 @@ def test_a_step_capturing_variables_runs_its_python_once():
 
 # -- 8. TF names -------------------------------------------------------------------------------
 @pytest.mark.parametrize("make,name", [
-    (lambda: jm.experimental.CentralStorageStrategy(), "CentralStorageStrategy"),
     (lambda: jm.experimental.ParameterServerStrategy(None), "ParameterServerStrategy"),
     (lambda: jm.cluster_resolver.RayClusterResolver(2, 1), "RayClusterResolver"),
 ])

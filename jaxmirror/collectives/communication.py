@@ -1,14 +1,19 @@
 """``CommunicationOptions`` and ``CommunicationImplementation``: how collectives communicate.
 
-TF's ``tf.distribute.experimental.CommunicationOptions``. ``MultiWorkerMirroredStrategy`` reads
-``timeout_seconds`` (how long joining the cluster may take before it fails with an error naming
-the missing workers); XLA compiles the collectives themselves (NCCL on GPUs, gloo between CPU
-processes), so ``implementation`` and ``bytes_per_pack`` are recorded hints.
+TF's ``tf.distribute.experimental.CommunicationOptions``, accepted by ``all_reduce``,
+``reduce_to``, ``batch_reduce_to`` and ``MultiWorkerMirroredStrategy``. ``bytes_per_pack``
+packs the leaves of a nest into buffers of about that size (one collective each);
+``wire_dtype`` (jaxmirror's addition) sends floats in a narrower dtype and accumulates in
+their own; ``timeout_seconds`` bounds how long joining a cluster may take.
+``implementation`` is recorded: XLA compiles the collectives (NCCL on GPUs, gloo between CPU
+processes, a ring either way).
 """
 
 from __future__ import annotations
 
 import enum
+
+import jax.numpy as jnp
 
 
 class CommunicationImplementation(enum.Enum):
@@ -38,10 +43,14 @@ class CommunicationOptions:
             naming the workers that never joined; ``None`` takes the default (300 s, as
             ``jax.distributed``).
         implementation: a ``CommunicationImplementation`` (or its name, e.g. ``"NCCL"``).
+        wire_dtype: a float dtype (e.g. ``"bfloat16"``) to send wider floats in; sums are
+            still accumulated in the values' own dtype, and the result is rounded to
+            ``wire_dtype`` once. ``None`` (the default) sends values as they are.
 
     Raises:
         ValueError: for a negative ``bytes_per_pack``, a ``timeout_seconds`` that is not a
-            positive number, or an unknown ``implementation``.
+            positive number, an unknown ``implementation``, or a ``wire_dtype`` that is not
+            a float dtype.
 
     Example:
         >>> import jaxmirror
@@ -50,10 +59,10 @@ class CommunicationOptions:
         (30, 'AUTO')
     """
 
-    __slots__ = ("bytes_per_pack", "timeout_seconds", "implementation")
+    __slots__ = ("bytes_per_pack", "timeout_seconds", "implementation", "wire_dtype")
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds=None,
-                 implementation=CommunicationImplementation.AUTO):
+                 implementation=CommunicationImplementation.AUTO, wire_dtype=None):
         if (not isinstance(bytes_per_pack, int) or isinstance(bytes_per_pack, bool)
                 or bytes_per_pack < 0):
             raise ValueError(f"CommunicationOptions: `bytes_per_pack` must be a non-negative "
@@ -75,6 +84,7 @@ class CommunicationOptions:
         self.bytes_per_pack = bytes_per_pack
         self.timeout_seconds = timeout_seconds
         self.implementation = implementation
+        self.wire_dtype = _checked_wire_dtype(wire_dtype)
 
     def merge(self, options: "CommunicationOptions | None") -> "CommunicationOptions":
         """These options with the ones ``options`` sets overriding them (TF's ``merge``).
@@ -102,9 +112,25 @@ class CommunicationOptions:
             options.timeout_seconds if options.timeout_seconds is not None
             else self.timeout_seconds,
             options.implementation if options.implementation is not auto
-            else self.implementation)
+            else self.implementation,
+            options.wire_dtype if options.wire_dtype is not None else self.wire_dtype)
 
     def __repr__(self) -> str:
         return (f"CommunicationOptions(bytes_per_pack={self.bytes_per_pack}, "
                 f"timeout_seconds={self.timeout_seconds}, "
-                f"implementation={self.implementation})")
+                f"implementation={self.implementation}"
+                + (f", wire_dtype={self.wire_dtype.name}" if self.wire_dtype is not None else "")
+                + ")")
+
+
+def _checked_wire_dtype(wire_dtype):
+    if wire_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(wire_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"CommunicationOptions: `wire_dtype` must be a float dtype such as "
+                         f"'bfloat16' or 'float16', or None; got {wire_dtype!r}.")
+    return dtype

@@ -1,74 +1,360 @@
-"""``CrossDeviceOps``: TF's choice of all-reduce implementation, kept for compatibility.
+"""``CrossDeviceOps``: how a strategy sums values across its replicas (TF's class family).
 
-In jaxmirror every collective is compiled by XLA into the step's program, which picks the
-algorithm for the hardware (NCCL on GPUs, its own on CPUs). These classes are accepted where TF
-takes them and remember their settings, so TF code passes them unchanged.
+A strategy holds one (``MirroredStrategy(devices, cross_device_ops=...)``; ``NcclAllReduce()``
+by default), and every cross-replica sum it makes goes through it: ``all_reduce`` inside a step,
+``reduce``/``reduce_to``/``batch_reduce_to`` (and ``reduce`` in a ``merge_fn``) outside. The
+three implementations compile to different collectives (``collectives.algorithms``); packing
+(``num_packs``, or ``CommunicationOptions.bytes_per_pack``) decides how many.
+
+Outside a step, a sum is one cached program per strategy and options: ``jax.jit`` of
+``shard_map`` over the replica-stacked components, so a whole nest costs one dispatch.
 """
 
 from __future__ import annotations
 
+import weakref
+
+import jax
+
+from jaxmirror.core import _compat, context
+from jaxmirror.core import devices as devices_lib
+from jaxmirror.core.replicated import mark_replicated
+from jaxmirror.core.reduce_op import ReduceOp, as_float, as_reduce_op
+from jaxmirror.collectives import algorithms, packing
+from jaxmirror.collectives.communication import CommunicationOptions
+
+
+def checked_options(options, method: str) -> CommunicationOptions | None:
+    """``options`` if it is ``None`` or a ``CommunicationOptions``; else a ``ValueError``."""
+    if options is not None and not isinstance(options, CommunicationOptions):
+        raise ValueError(f"{method}: `options` must be a jaxmirror.experimental."
+                         f"CommunicationOptions or None; got {options!r}.")
+    return options
+
 
 class CrossDeviceOps:
-    """Base class of cross-device reduction choices (``tf.distribute.CrossDeviceOps``).
+    """Base class of cross-device reduction and broadcast algorithms (``tf.distribute.CrossDeviceOps``).
+
+    Subclasses choose the collectives (``NcclAllReduce``, ``HierarchicalCopyAllReduce``,
+    ``ReductionToOneDevice``). ``reduce``, ``batch_reduce`` and ``broadcast`` act for the
+    strategy that uses this object (the current strategy inside a ``scope()``).
+
+    Args:
+        num_packs: how many packs each dtype's leaves are concatenated and cut into before
+            they are summed (one collective per pack); 0 sums every leaf on its own.
+
+    Raises:
+        ValueError: for a negative or non-integer ``num_packs``.
 
     Example:
         >>> import jaxmirror
-        >>> isinstance(jaxmirror.NcclAllReduce(), jaxmirror.CrossDeviceOps)
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"],
+        ...                                cross_device_ops=jaxmirror.NcclAllReduce())
+        >>> isinstance(s.extended.cross_device_ops, jaxmirror.CrossDeviceOps)
         True
     """
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({fields})"
-
-
-class _PackedAllReduce(CrossDeviceOps):
     def __init__(self, num_packs: int = 1):
         if not isinstance(num_packs, int) or isinstance(num_packs, bool) or num_packs < 0:
             raise ValueError(f"{type(self).__name__}: `num_packs` must be a non-negative int; "
                              f"got {num_packs!r}.")
         self.num_packs = num_packs
+        self._strategy_ref = None
+        self._programs: dict = {}
+
+    # -- the algorithm ---------------------------------------------------------------------
+    def sum_buffer(self, buf, axis_name, devices: tuple, wire):
+        """The sum of every replica's flat ``buf`` (inside the program); subclasses choose how.
+
+        Args:
+            buf: this replica's 1-D buffer (length a multiple of the number of replicas).
+            axis_name: the replica axis.
+            devices: the replicas' devices, in replica order.
+            wire: the dtype sent, or ``None`` for the buffer's own.
+
+        Returns:
+            The sum, the same on every replica.
+        """
+        return algorithms.all_reduce(buf, axis_name, len(devices), wire)
+
+    def all_reduce_in_program(self, reduce_op, value, axis_name, devices: tuple,
+                              options: CommunicationOptions | None = None):
+        """``value`` (a nest) summed or averaged over the replicas, inside the step's program.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN`` (or their names).
+            value: a nest of arrays (this replica's).
+            axis_name: the replica axis.
+            devices: the replicas' devices, in replica order.
+            options: ``CommunicationOptions`` (``bytes_per_pack``, ``wire_dtype``) or ``None``.
+
+        Returns:
+            The reduced nest, the same on every replica; an integer MEAN gives floats.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> ops = jaxmirror.HierarchicalCopyAllReduce()
+            >>> def step():
+            ...     ctx = jaxmirror.get_replica_context()
+            ...     return ops.all_reduce_in_program("sum", ctx.replica_id_in_sync_group + 1.0,
+            ...                                      s.extended.axis_name, s.extended.devices)
+            >>> float(s.run(step))
+            3.0
+        """
+        op = as_reduce_op(reduce_op)
+        options = options or CommunicationOptions()
+        leaves, tree = jax.tree.flatten(value)
+        if op is ReduceOp.MEAN:
+            leaves = [as_float(x) for x in leaves]
+        wire, n = options.wire_dtype, len(devices)
+        sums = packing.packed_apply(
+            leaves, lambda b: self.sum_buffer(b, axis_name, devices, wire),
+            self.num_packs, options.bytes_per_pack, multiple_of=n)
+        if op is ReduceOp.MEAN:
+            sums = [x / n for x in sums]
+        # Grouped and permuting collectives end replicated here; the analysis cannot see it.
+        return jax.tree.unflatten(tree, [mark_replicated(x) for x in sums])
+
+    def sum_components(self, stacked: list, placement, options=None) -> list:
+        """The sums over the replicas of replica-stacked arrays, by one program (outside steps).
+
+        Args:
+            stacked: arrays of shape ``(num_replicas, ...)``, one component per replica,
+                placed on ``placement``'s replicas.
+            placement: the strategy's ``Placement``.
+            options: ``CommunicationOptions`` or ``None``.
+
+        Returns:
+            One array per input: the sum of its components, replicated over the replicas.
+        """
+        options = options or CommunicationOptions()
+        key = (placement, len(stacked), options.bytes_per_pack, options.wire_dtype)
+        program = self._programs.get(key)
+        if program is None:
+            devices, axis = placement.devices, placement.axis_name
+
+            def body(*components):
+                return tuple(self.all_reduce_in_program(
+                    ReduceOp.SUM, [c[0] for c in components], axis, devices, options))
+
+            program = self._programs[key] = jax.jit(_compat.shard_map(
+                body, placement.mesh, (_compat.P(axis),) * len(stacked), _compat.P()))
+        return list(program(*[placement.place_stacked(x) if _needs_placing(x, placement)
+                              else x for x in stacked]))
+
+    # -- TF's methods ------------------------------------------------------------------------
+    def adopt(self, strategy) -> None:
+        """Act for ``strategy`` from now on (a strategy calls this when it is given the object).
+
+        Args:
+            strategy: the strategy that uses these ops.
+        """
+        self._strategy_ref = weakref.ref(strategy)
+
+    def _strategy(self, method: str):
+        current = context.current().strategy
+        if getattr(current.extended, "cross_device_ops", None) is self:
+            return current
+        strategy = self._strategy_ref() if self._strategy_ref is not None else None
+        if strategy is None:
+            raise ValueError(f"{type(self).__name__}.{method}: no strategy uses this "
+                             f"CrossDeviceOps; pass it to MirroredStrategy(devices, "
+                             f"cross_device_ops=...) first.")
+        return strategy
+
+    def reduce(self, reduce_op, per_replica_value, destinations, options=None):
+        """Reduce ``per_replica_value`` across replicas and place the result at ``destinations``.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM``/``MEAN`` (or their names).
+            per_replica_value: a ``PerReplica``/Mirrored value, a variable, or an array.
+            destinations: a variable, a distributed value, an array or a device string.
+            options: ``CommunicationOptions`` for this call, or ``None``.
+
+        Returns:
+            The reduced value at ``destinations`` (as ``extended.reduce_to``).
+
+        Raises:
+            ValueError: for empty ``destinations`` or when no strategy uses these ops.
+
+        Example:
+            >>> import jaxmirror
+            >>> ops = jaxmirror.ReductionToOneDevice()
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=ops)
+            >>> ids = s.run(lambda: jaxmirror.get_replica_context().replica_id_in_sync_group + 1)
+            >>> int(ops.reduce("sum", ids, destinations="CPU:0"))
+            3
+        """
+        return self._strategy("reduce").extended.reduce_to(reduce_op, per_replica_value,
+                                                             destinations, options)
+
+    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
+        """``reduce`` for several ``(value, destinations)`` pairs, summed by one program.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM``/``MEAN`` (or their names).
+            value_destination_pairs: a list of ``(value, destinations)`` pairs.
+            options: ``CommunicationOptions`` for this call, or ``None``.
+
+        Returns:
+            A list with one reduced value per pair.
+
+        Example:
+            >>> import jaxmirror
+            >>> ops = jaxmirror.NcclAllReduce()
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=ops)
+            >>> x = s.run(lambda: jaxmirror.get_replica_context().replica_id_in_sync_group + 1.0)
+            >>> [float(v) for v in ops.batch_reduce("mean", [(x, "CPU:0"), (x, "CPU:1")])]
+            [1.5, 1.5]
+        """
+        return self._strategy("batch_reduce").extended.batch_reduce_to(
+            reduce_op, value_destination_pairs, options)
+
+    def broadcast(self, tensor, destinations):
+        """``tensor`` copied to every device of ``destinations``.
+
+        Args:
+            tensor: an array.
+            destinations: a variable, a distributed value, an array or a device string.
+
+        Returns:
+            The array placed at ``destinations`` (replicated over a distributed destination).
+
+        Example:
+            >>> import jax.numpy as jnp, jaxmirror
+            >>> ops = jaxmirror.NcclAllReduce()
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=ops)
+            >>> with s.scope():
+            ...     v = jaxmirror.Variable(0.0)
+            >>> len(ops.broadcast(jnp.float32(4.0), v).sharding.device_set)
+            2
+        """
+        return self._strategy("broadcast").extended.broadcast_to(tensor, destinations)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
 
 
-class NcclAllReduce(_PackedAllReduce):
-    """All-reduce with NCCL (``tf.distribute.NcclAllReduce``); XLA's GPU collectives use NCCL.
+def _needs_placing(x, placement) -> bool:
+    if _compat.is_tracer(x):  # under jax.grad or jax.jit around reduce: JAX places it
+        return False
+    return not (isinstance(x, jax.Array) and x.sharding == placement.replica_sharding)
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """All-reduce per pack (``tf.distribute.NcclAllReduce``): XLA's all-reduce, NCCL's on GPUs.
+
+    The default of every mirrored strategy. Each dtype's leaves are concatenated and cut into
+    ``num_packs`` packs, one all-reduce each.
 
     Args:
-        num_packs: how many packs gradients are split into (accepted, unused by XLA).
+        num_packs: packs per dtype; 0 all-reduces every leaf on its own.
+
+    Raises:
+        ValueError: for a negative ``num_packs``.
 
     Example:
         >>> import jaxmirror
-        >>> jaxmirror.NcclAllReduce(num_packs=2).num_packs
-        2
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"],
+        ...                                cross_device_ops=jaxmirror.NcclAllReduce(num_packs=2))
+        >>> float(s.run(lambda: jaxmirror.get_replica_context().all_reduce("sum", 1.0)))
+        2.0
     """
 
 
-class HierarchicalCopyAllReduce(_PackedAllReduce):
-    """Hierarchical-copy all-reduce (``tf.distribute.HierarchicalCopyAllReduce``).
+class HierarchicalCopyAllReduce(CrossDeviceOps):
+    """Two-level all-reduce (``tf.distribute.HierarchicalCopyAllReduce``).
+
+    The replicas form two groups (``n / 2`` each, for even ``n >= 4``; else the groups are
+    single replicas). Each pack is reduce-scattered within each group (every member gathers the
+    group's sum of one slice, so each member leads a slice), all-reduced across the groups, and
+    all-gathered back within each group.
 
     Args:
-        num_packs: how many packs gradients are split into (accepted, unused by XLA).
+        num_packs: packs per dtype; 0 sums every leaf on its own.
+
+    Raises:
+        ValueError: for a negative ``num_packs``.
 
     Example:
         >>> import jaxmirror
-        >>> jaxmirror.HierarchicalCopyAllReduce().num_packs
-        1
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"],
+        ...                                cross_device_ops=jaxmirror.HierarchicalCopyAllReduce())
+        >>> float(s.run(lambda: jaxmirror.get_replica_context().all_reduce("sum", 1.0)))
+        4.0
     """
+
+    def sum_buffer(self, buf, axis_name, devices: tuple, wire):
+        return algorithms.hierarchical(buf, axis_name, len(devices), wire)
 
 
 class ReductionToOneDevice(CrossDeviceOps):
-    """Reduce to one device, then broadcast (``tf.distribute.ReductionToOneDevice``).
+    """Reduce on one device, then broadcast (``tf.distribute.ReductionToOneDevice``).
+
+    Every replica's value is sent to one replica's device (collective-permutes), accumulated
+    there by ``accumulation_fn``, and sent back along a doubling tree. Each dtype's leaves go
+    as one pack (``CommunicationOptions.bytes_per_pack`` cuts it into several).
 
     Args:
-        reduce_to_device: the intermediate device's name, or ``None``.
-        accumulation_fn: accepted for TF compatibility.
+        reduce_to_device: the device that accumulates: one of the strategy's devices, as a
+            ``jax.Device`` or a TF device string; ``None`` takes the first replica's.
+        accumulation_fn: called on that device with the list of every replica's buffer (in
+            replica order, all of one shape) and returns their combination; ``None`` adds
+            them in order (TF's ``add_n``).
+
+    Raises:
+        ValueError: for a ``reduce_to_device`` that names no device, or an
+            ``accumulation_fn`` that is not callable.
 
     Example:
         >>> import jaxmirror
-        >>> jaxmirror.ReductionToOneDevice("/cpu:0").reduce_to_device
-        '/cpu:0'
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"],
+        ...     cross_device_ops=jaxmirror.ReductionToOneDevice(reduce_to_device="CPU:1"))
+        >>> float(s.run(lambda: jaxmirror.get_replica_context().all_reduce("sum", 1.0)))
+        2.0
     """
 
     def __init__(self, reduce_to_device=None, accumulation_fn=None):
+        super().__init__(num_packs=1)
+        if reduce_to_device is not None:
+            devices_lib.resolve(reduce_to_device, "ReductionToOneDevice", "reduce_to_device")
+        if accumulation_fn is not None and not callable(accumulation_fn):
+            raise ValueError(f"ReductionToOneDevice: `accumulation_fn` must be callable or "
+                             f"None; got {accumulation_fn!r}.")
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn
+        self._targets: dict = {}
+
+    def target_replica(self, devices: tuple) -> int:
+        """Which replica of a strategy with ``devices`` accumulates.
+
+        Args:
+            devices: the strategy's devices, in replica order.
+
+        Returns:
+            The replica index.
+
+        Raises:
+            ValueError: when ``reduce_to_device`` is not among ``devices``.
+        """
+        if self.reduce_to_device is None:
+            return 0
+        target = self._targets.get(devices)
+        if target is None:
+            device = devices_lib.resolve(self.reduce_to_device, "ReductionToOneDevice",
+                                         "reduce_to_device")
+            if device not in devices:
+                raise ValueError(
+                    f"ReductionToOneDevice: `reduce_to_device` {self.reduce_to_device!r} is "
+                    f"{device}, which runs no replica of this strategy ({list(devices)}); "
+                    f"the sum is accumulated inside the replicas' program, so name one of "
+                    f"their devices, or None for the first.")
+            target = self._targets[devices] = devices.index(device)
+        return target
+
+    def sum_buffer(self, buf, axis_name, devices: tuple, wire):
+        return algorithms.to_one_device(buf, axis_name, len(devices),
+                                        self.target_replica(tuple(devices)),
+                                        self.accumulation_fn, wire)

@@ -27,12 +27,16 @@ class Placement:
     ``replicated_sharding`` (Mirrored values), ``mirrored_sharding`` (where ``replicate`` puts a
     value: ``replicated_sharding``, or the one device of a one-replica strategy),
     ``replica_sharding`` (stacked PerReplica values), ``bound_in_flight`` (whether steps
-    queued on these devices must be bounded) and ``multi_process`` (whether other processes
-    hold some of the devices).
+    queued on these devices must be bounded), ``multi_process`` (whether other processes
+    hold some of the devices), ``central`` (variables live on one parameter device, not on
+    the replicas' devices: central storage) and ``storage_sharding`` (where variables and
+    mirrored parameters live between steps: the parameter device when ``central``, else
+    ``mirrored_sharding``).
 
     Args:
         devices: the JAX devices that run one replica each, in replica order.
-        parameter_devices: where variables live; by default on every compute device.
+        parameter_devices: where variables live; by default on every compute device. One
+            device other than the compute devices makes the placement ``central``.
         distributed_variables: whether ``Variable(...)`` in the strategy's scope makes
             Mirrored/SyncOnRead variables (True) or plain variables on the one device (False,
             as TF's OneDeviceStrategy does).
@@ -49,7 +53,7 @@ class Placement:
     __slots__ = ("devices", "parameter_devices", "distributed_variables", "axis_name", "mesh",
                  "device_set", "num_replicas", "num_local_replicas", "replicated_sharding",
                  "mirrored_sharding", "replica_sharding", "bound_in_flight", "multi_process",
-                 "_to_every_device")
+                 "central", "storage_sharding", "_to_every_device")
 
     def __init__(self, devices, parameter_devices=None, distributed_variables: bool = True):
         self.devices = tuple(devices)
@@ -67,6 +71,9 @@ class Placement:
         self.replica_sharding = NamedSharding(self.mesh, P(AXIS_NAME))
         self.bound_in_flight = inflight.needs_bound(self.devices)
         self.multi_process = self.num_local_replicas < self.num_replicas
+        self.central = self.parameter_devices != self.devices
+        self.storage_sharding = (jax.sharding.SingleDeviceSharding(self.parameter_devices[0])
+                                 if self.central else self.mirrored_sharding)
         # One jitted identity: resharding across processes is a collective XLA compiles.
         self._to_every_device = jax.jit(lambda x: x, out_shardings=self.replicated_sharding)
 
@@ -80,6 +87,57 @@ class Placement:
             The same, as ``jax.Array``s replicated over the mesh.
         """
         return jax.device_put(value, self.mirrored_sharding)
+
+    def store(self, value):
+        """``value`` where variables and mirrored parameters live (``storage_sharding``).
+
+        Args:
+            value: an array or a nest of arrays.
+
+        Returns:
+            The same, on the parameter device (central storage) or as ``replicate`` puts it.
+        """
+        return jax.device_put(value, self.storage_sharding)
+
+    def to_compute(self, tree):
+        """``tree`` with the arrays stored on the parameter device copied to every replica.
+
+        Central storage only: what a step reads from the parameter device, broadcast.
+
+        Args:
+            tree: a nest (distributed values are leaves; other leaves pass through).
+
+        Returns:
+            The same nest.
+        """
+        return self._moved(tree, self.storage_sharding, self.replicated_sharding)
+
+    def to_storage(self, tree):
+        """``tree`` with the arrays replicated over the replicas moved to the parameter device.
+
+        Central storage only: a step's mirrored results (new parameters, variables' new
+        values) go back to where they live; per-replica values stay.
+
+        Args:
+            tree: a nest.
+
+        Returns:
+            The same nest.
+        """
+        return self._moved(tree, self.replicated_sharding, self.storage_sharding)
+
+    @staticmethod
+    def _moved(tree, source, target):
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, PerReplica))
+        chosen = [i for i, x in enumerate(leaves)
+                  if isinstance(x, jax.Array) and not _compat.is_tracer(x)
+                  and x.sharding == source]
+        if not chosen:
+            return tree
+        moved = jax.device_put([leaves[i] for i in chosen], target)  # one transfer call
+        for i, x in zip(chosen, moved):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
 
     def readable_everywhere(self, tree):
         """``tree`` with every array readable by every worker (replicated over the devices).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+import jax.numpy as jnp
+
 
 class _NamedEnum(enum.Enum):
     # TF accepts any case; an unknown name falls through to Enum's own
@@ -114,3 +116,22 @@ def reduce_op_of(op) -> ReduceOp:
         raise ValueError(f"Could not convert from `VariableAggregation` {op} to `ReduceOp` type; "
                          f"only SUM and MEAN reduce across replicas.")
     return as_reduce_op(op)
+
+
+def as_float(x):
+    """``x`` as the floats a MEAN divides: TF returns floats for an integer MEAN.
+
+    Args:
+        x: an array or a number.
+
+    Returns:
+        ``x`` as an array, cast to JAX's default float unless it is already inexact.
+
+    Example:
+        >>> as_float(3).dtype
+        dtype('float32')
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        x = x.astype(jnp.result_type(float))
+    return x

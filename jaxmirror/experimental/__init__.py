@@ -14,6 +14,7 @@ from jaxmirror.data.files import FileDataset
 from jaxmirror.data.options import AutoShardPolicy
 from jaxmirror.step.divergence import ReplicaDivergenceWarning, check_replicas
 from jaxmirror.step.padding_check import PaddedRowsWarning
+from jaxmirror.strategies.central_storage import CentralStorageStrategy
 from jaxmirror.strategies.multi_worker import MultiWorkerMirroredStrategy
 
 
@@ -22,6 +23,7 @@ def __getattr__(name):
     return planned.planned_attribute("jaxmirror.experimental", name)
 
 
-__all__ = ["AutoShardPolicy", "CommunicationImplementation", "CommunicationOptions",
+__all__ = ["AutoShardPolicy", "CentralStorageStrategy", "CommunicationImplementation",
+           "CommunicationOptions",
            "FileDataset", "MultiWorkerMirroredStrategy", "PaddedRowsWarning", "ReplicaDivergenceWarning",
            "ValueContext", "check_replicas", "simulate_cpu_devices"]

@@ -20,11 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax import lax
-
 from jaxmirror.core import _compat, context
 from jaxmirror.core.bits import as_bits, from_bits
-from jaxmirror.core.reduce_op import ReduceOp, as_reduce_op
+from jaxmirror.core.reduce_op import ReduceOp, as_float, as_reduce_op
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import (GatheredPerReplica, Mirrored, PerReplica, host_counts,
                                    is_distributed)
@@ -46,10 +44,11 @@ def kind(strategy, x, method: str = "reduce") -> str:
     if (isinstance(x, jax.Array) and not _compat.is_tracer(x)
             and x.sharding == strategy.extended.placement.replica_sharding):
         raise _storage_error(x, method)
+    placement = strategy.extended.placement
     if (isinstance(x, jax.Array) and not _compat.is_tracer(x) and strategy.num_replicas_in_sync > 1
-            and x.sharding.is_fully_replicated
-            and x.sharding.device_set == strategy.extended.placement.device_set):
-        return MIRRORED
+            and ((x.sharding.is_fully_replicated and x.sharding.device_set == placement.device_set)
+                 or (placement.central and x.sharding == placement.storage_sharding))):
+        return MIRRORED  # central storage: one copy on the parameter device stands for all
     return PLAIN
 
 
@@ -110,33 +109,83 @@ def local_results(strategy, value) -> tuple:
     return tuple(jax.tree.unflatten(tree, list(row)) for row in zip(*columns))
 
 
-def _reduce_leaf(strategy, op: ReduceOp, x, axis):
+def _summable(x):
+    return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+
+
+def _partial(strategy, op: ReduceOp, x, axis):
+    """How a leaf reduces: ``("sum", partial, count, inside)`` when its replicas' partials
+    must be summed across replicas (then divided by ``count`` for MEAN), else ``("done",
+    value)``. ``inside``: the partial is this replica's, inside a ``merge_fn``."""
     n = strategy.num_replicas_in_sync
     if isinstance(x, GatheredPerReplica):
-        return _reduce_gathered(op, x, axis, n)
+        local = jnp.asarray(x.local)
+        count = n
+        if axis is not None:
+            ax = _norm_axis(axis, local.ndim, "reduce")
+            count = n * local.shape[ax]
+            local = local.sum(ax)
+        return ("sum", _summable(local), count, True)
     k = kind(strategy, x)
     if k == PER_REPLICA:
         stacked = _real_rows(x, axis, "reduce")
-        if isinstance(stacked, _Uneven):
-            return _reduce_uneven_rows(op, stacked)
+        if isinstance(stacked, _Uneven):  # axis 0: each replica sums its real rows
+            masked = jnp.where(_row_mask(jnp.asarray(stacked.stacked), stacked.counts),
+                               stacked.stacked, 0)
+            return ("sum", _summable(masked.sum(axis=1)), sum(stacked.counts), False)
         if axis is None:
-            return stacked.sum(0) if op is ReduceOp.SUM else stacked.mean(0)
+            return ("sum", _summable(stacked), n, False)
         ax = _norm_axis(axis, stacked.ndim - 1, "reduce") + 1
-        total = stacked.sum(axis=(0, ax))
-        return total if op is ReduceOp.SUM else total / (stacked.shape[0] * stacked.shape[ax])
+        return ("sum", stacked.sum(axis=ax), n * stacked.shape[ax], False)
     v = jnp.asarray(_mirrored_value(x))
     if axis is not None:
         ax = _norm_axis(axis, v.ndim, "reduce")
         # A mirrored or plain value counts as N copies, one per replica.
-        return n * v.sum(ax) if op is ReduceOp.SUM else v.mean(ax)
+        return ("done", n * v.sum(ax) if op is ReduceOp.SUM else v.mean(ax))
     if op is ReduceOp.MEAN:
-        return v
+        return ("done", v)
     if k == PLAIN:
         raise ValueError(  # TF's wording, on purpose
             f"A non-DistributedValues value {x!r} cannot be reduced with the given reduce op "
             f"{op}. Return it from `run`, or reduce it with ReduceOp.MEAN."
         )
-    return n * v
+    return ("done", n * v)
+
+
+def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None) -> list:
+    """Every leaf reduced across the replicas, the cross-replica sums by the strategy's
+    ``cross_device_ops``: one program for all leaves outside a step, one all-reduce (per pack)
+    inside a ``merge_fn``.
+
+    Args:
+        strategy: the strategy (more than one replica).
+        op: SUM or MEAN.
+        leaves: distributed values, variables' views, arrays.
+        axis: as ``Strategy.reduce``.
+        options: ``CommunicationOptions`` for the sums, or ``None``.
+
+    Returns:
+        The reduced leaves.
+    """
+    extended = strategy.extended
+    plans = [_partial(strategy, op, x, axis) for x in leaves]
+    out = [p[1] if p[0] == "done" else None for p in plans]
+    for inside in (False, True):
+        chosen = [i for i, p in enumerate(plans) if p[0] == "sum" and p[3] is inside]
+        if not chosen:
+            continue
+        parts = [plans[i][1] for i in chosen]
+        if op is ReduceOp.MEAN:
+            parts = [as_float(x) for x in parts]
+        ops = extended.cross_device_ops
+        if inside:
+            sums = ops.all_reduce_in_program(ReduceOp.SUM, parts, extended.axis_name,
+                                             extended.devices, options)
+        else:
+            sums = ops.sum_components(parts, extended.placement, options)
+        for i, total in zip(chosen, sums):
+            out[i] = total if op is ReduceOp.SUM else total / plans[i][2]
+    return out
 
 
 class _Uneven:
@@ -175,16 +224,6 @@ def _row_mask(stacked, counts):
     return mask.reshape(mask.shape + (1,) * (stacked.ndim - 2))
 
 
-def _reduce_uneven_rows(op: ReduceOp, u: _Uneven):
-    stacked = jnp.asarray(u.stacked)
-    total = jnp.where(_row_mask(stacked, u.counts), stacked, 0).sum(axis=(0, 1))
-    if op is ReduceOp.SUM:
-        return total
-    if not jnp.issubdtype(total.dtype, jnp.inexact):
-        total = total.astype(jnp.result_type(float))
-    return total / sum(u.counts)
-
-
 def _real_row_concat(u: _Uneven):
     stacked = jnp.asarray(u.stacked)
     n, size = stacked.shape[:2]
@@ -217,28 +256,17 @@ def _take_bits(x, rows):
     return from_bits(as_bits(x)[rows], x.dtype)
 
 
-def _reduce_gathered(op: ReduceOp, x: GatheredPerReplica, axis, n: int):
-    local = jnp.asarray(x.local)
-    count = n
-    if axis is not None:
-        ax = _norm_axis(axis, local.ndim, "reduce")
-        count = n * local.shape[ax]
-        local = local.sum(ax)
-    if op is ReduceOp.MEAN and not jnp.issubdtype(local.dtype, jnp.inexact):
-        local = local.astype(jnp.result_type(float))  # as jnp.mean does on the host
-    total = lax.psum(local, x.axis_name)
-    return total if op is ReduceOp.SUM else total / count
-
-
-def reduce(strategy, reduce_op, value, axis, method: str = "reduce"):
-    """``Strategy.reduce`` (see there); ``method`` names the caller in errors."""
+def reduce(strategy, reduce_op, value, axis, method: str = "reduce", options=None):
+    """``Strategy.reduce`` (see there); ``method`` names the caller in errors, ``options``
+    are the ``CommunicationOptions`` of the call."""
     op = as_reduce_op(reduce_op)
     require_cross_replica(strategy, method)
+    options = strategy.extended.options_for(options, method)
     value = views(value)
     if strategy.num_replicas_in_sync == 1:
         return reduce_single(strategy, op, value, axis)
-    reduced = jax.tree.map(lambda x: _reduce_leaf(strategy, op, x, axis), value,
-                           is_leaf=is_distributed)
+    leaves, tree = jax.tree.flatten(value, is_leaf=is_distributed)
+    reduced = jax.tree.unflatten(tree, reduce_leaves(strategy, op, leaves, axis, options))
     return strategy.extended.placement.readable_everywhere(reduced)
 
 

@@ -39,10 +39,10 @@ def replicate(placement, tree):
     """
     def place(x):
         if is_graph_node(x):
-            nnx.update(x, placement.replicate(nnx.state(x)))
+            nnx.update(x, placement.store(nnx.state(x)))
             return x
         if isinstance(x, jax.Array) or (hasattr(x, "__array__") and not is_distributed(x)):
-            return placement.replicate(x)
+            return placement.store(x)
         return x
 
     return jax.tree.map(place, tree, is_leaf=lambda x: is_graph_node(x) or is_distributed(x))
@@ -71,7 +71,7 @@ def build_replicated(placement, fn, args, kwargs):
         built.update(tree=tree, positions=positions, graphdef=graphdef, n=len(leaves))
         return state, [x for i, x in enumerate(leaves) if i not in positions]
 
-    state, others = jax.jit(pure, out_shardings=placement.mirrored_sharding)()
+    state, others = jax.jit(pure, out_shardings=placement.storage_sharding)()
     nodes = dict(zip(built["positions"], nnx.merge(built["graphdef"], state)))
     rest = iter(others)
     leaves = [nodes[i] if i in nodes else next(rest) for i in range(built["n"])]

@@ -101,6 +101,7 @@ class Program:
         self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended.placement.bound_in_flight
         self._single = strategy.extended.placement.num_replicas == 1  # often done at return
+        self._central = strategy.extended.placement.central  # see _central_call
         self._donate_argnums = tuple(donate_argnums)
         # None, or how every call goes from now on: with variable or NNX-object arguments
         self._mode = None
@@ -134,6 +135,8 @@ class Program:
                 with state.lock:  # read, dispatch, write back: one update at a time
                     state.poll()  # first: a step seen to have failed is rolled back
                     out, token = self._dispatch(self._captured_key, captured, args, kwargs)
+            elif self._central:
+                out, token, _ = self._central_call(None, (), args, kwargs)
             else:
                 out, token, _ = self._jitted(None, (), *args, **kwargs)  # no variables, no writes
         except binding.Discovered as found:  # the step reads variables by closure
@@ -230,11 +233,44 @@ class Program:
     def _dispatch(self, bound, variables: tuple, args, kwargs):
         """Under ``state.lock``: the jitted call on the captured variables' current arrays, its
         writes to ``variables`` (passed ones first, then captured) stored open."""
-        out, token, writes = self._jitted(bound, tuple(map(state_of, self._captured)), *args,
-                                          **kwargs)
+        states = tuple(map(state_of, self._captured))
+        if self._central:
+            out, token, writes = self._central_call(bound, states, args, kwargs)
+        else:
+            out, token, writes = self._jitted(bound, states, *args, **kwargs)
         if writes:
             state.write_open(variables, writes, out is not None, self._single)
         return out, token
+
+    def lower(self, *args, **kwargs):
+        """The program for these arguments, lowered and not run (``jax.stages.Lowered``).
+
+        Raises:
+            TypeError: for NNX objects among the arguments (lower a step on their
+                ``nnx.state`` instead).
+        """
+        check_can_run(self._strategy)
+        while True:
+            key, a, k = _take_variables(args, kwargs, self._captured)
+            bound = None if key == ((), (), ()) else self._binding(key)
+            states = tuple(map(state_of, self._captured))
+            if self._central:
+                states, a, k = self._strategy.extended.placement.to_compute((states, a, k))
+            try:
+                return self._jitted.lower(bound, states, *a, **k)
+            except binding.Discovered as found:
+                self._capture(found.variables)
+            except graphs.GraphArguments:
+                raise TypeError(f"{self.__name__}.lower: NNX objects among the arguments; "
+                                f"lower a step that takes their nnx.state instead.") from None
+
+    def _central_call(self, bound, states, args, kwargs):
+        """Central storage: what the step reads from the parameter device is broadcast to the
+        replicas, and its mirrored results (new parameters, variables' values) go back there."""
+        placement = self._strategy.extended.placement
+        states, args, kwargs = placement.to_compute((states, args, kwargs))
+        out, token, writes = self._jitted(bound, states, *args, **kwargs)
+        return placement.to_storage(out), token, placement.to_storage(writes)
 
     def _finish(self, out, token):
         """The call was dispatched: it counts against the in-flight bound."""

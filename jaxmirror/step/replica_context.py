@@ -7,11 +7,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxmirror.core import _compat, context
-from jaxmirror.core.reduce_op import ReduceOp, as_reduce_op
+from jaxmirror.core.reduce_op import as_reduce_op
 from jaxmirror.core.stateful import is_opaque
 from jaxmirror.core.bits import moved
 from jaxmirror.core.values import GatheredPerReplica, Mirrored, PerReplica
-from jaxmirror.step import packing
 
 
 def _check_gather_axis(x, axis) -> int:
@@ -25,18 +24,6 @@ def _check_gather_axis(x, axis) -> int:
         raise ValueError(f"all_gather: `axis` must be an int in [{-rank}, {rank}) for a rank-{rank} "
                          f"value; got {axis!r}.")
     return axis % rank
-
-
-def _float(x):
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        # TF returns a float for an integer MEAN; JAX's default float is float32.
-        x = x.astype(jnp.result_type(float))
-    return x
-
-
-def _mean(x, axis_name, n: int):
-    return lax.psum(_float(x), axis_name) / n
 
 
 class ReplicaContext:
@@ -125,14 +112,17 @@ class ReplicaContext:
         Args:
             reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``, or ``"sum"``/``"mean"`` in any case.
             value: an array, a Python number or a nest (pytree) of them.
-            options: accepted for TF compatibility; XLA chooses the collective algorithm.
+            options: a ``jaxmirror.experimental.CommunicationOptions`` for this call
+                (``bytes_per_pack``, ``wire_dtype``), over the strategy's own; or ``None``.
 
         Returns:
             The reduced nest, identical on every replica (so ``run`` returns it as Mirrored). An
             integer MEAN gives floats. In the default context ``value`` is returned unchanged.
+            The strategy's ``cross_device_ops`` compiles the collectives.
 
         Raises:
-            ValueError: for a reduce op other than SUM or MEAN.
+            ValueError: for a reduce op other than SUM or MEAN, or ``options`` that are not
+                ``CommunicationOptions``.
 
         Example:
             >>> import jaxmirror
@@ -141,20 +131,13 @@ class ReplicaContext:
             >>> float(out["a"])
             2.0
         """
-        del options
         op = as_reduce_op(reduce_op)
+        extended = self._strategy.extended
+        options = extended.options_for(options, "all_reduce")
         if self._axis_name is None:
             return value
-        axis, n = self._axis_name, self.num_replicas_in_sync
-        if self._strategy.extended.placement.multi_process and len(jax.tree.leaves(value)) > 1:
-            # Between processes each collective costs milliseconds: one for the whole nest.
-            if op is ReduceOp.SUM:
-                return packing.packed_psum(value, axis)
-            return jax.tree.map(lambda x: x / n, packing.packed_psum(
-                jax.tree.map(_float, value), axis))
-        if op is ReduceOp.SUM:
-            return jax.tree.map(lambda x: lax.psum(x, axis), value)
-        return jax.tree.map(lambda x: _mean(x, axis, n), value)
+        return extended.cross_device_ops.all_reduce_in_program(
+            op, value, self._axis_name, extended.devices, options)
 
     def all_gather(self, value, axis: int, options=None):
         """Concatenate every replica's ``value`` along ``axis``; every replica gets the result.

@@ -14,10 +14,12 @@ from __future__ import annotations
 from jax import lax
 
 from jaxmirror.core import _compat
+from jaxmirror.core.replicated import replicated_p
 from jaxmirror.step.jaxpr_walk import Analysis, sub_jaxprs
 
 # Collectives over the replica axis whose result is the same on every replica.
-REPLICATING = (lax.psum_p, lax.pmax_p, lax.pmin_p, lax.all_gather_p, _compat.psum_invariant_p)
+REPLICATING = (lax.psum_p, lax.pmax_p, lax.pmin_p, lax.all_gather_p, _compat.psum_invariant_p,
+               replicated_p)
 # Primitives whose result differs by replica even for replicated inputs.
 VARYING = (lax.axis_index_p, lax.ppermute_p, lax.all_to_all_p, _compat.reduce_scatter_p,
            _compat.pbroadcast_p, _compat.pvary_p)

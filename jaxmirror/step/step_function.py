@@ -33,6 +33,30 @@ class Step:
     def __call__(self, *args, **kwargs):
         return self._program(*args, **kwargs)
 
+    def lower(self, *args, **kwargs):
+        """The step's program for these arguments, lowered but not run, as ``jax.jit``'s.
+
+        ``.as_text()`` shows what the step emits, ``.compile().as_text()`` the collectives
+        XLA runs (e.g. to see a ``cross_device_ops`` choice).
+
+        Args:
+            *args: the step's arguments, as for a call.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            A ``jax.stages.Lowered``.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> @s.function
+            ... def step(x):
+            ...     return jaxmirror.get_replica_context().all_reduce("sum", x)
+            >>> "all-reduce" in step.lower(1.0).compile().as_text()
+            True
+        """
+        return self._program.lower(*args, **kwargs)
+
     @property
     def program(self):
         """The compiled program (shared with ``strategy.run(fn, args)``)."""

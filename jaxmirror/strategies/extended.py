@@ -9,6 +9,8 @@ import jax
 from jaxmirror.core import context, inflight
 from jaxmirror.core import devices as devices_lib
 from jaxmirror.core.placement import Placement
+from jaxmirror.collectives.communication import CommunicationOptions
+from jaxmirror.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce, checked_options
 from jaxmirror.strategies import updates
 from jaxmirror.variables.variable import Variable
 
@@ -33,6 +35,10 @@ class StrategyExtended:
             OneDeviceStrategy does).
         tasks: for a multi-worker cluster, each process's ``(job, task index)``, which name
             its devices (``/job:worker/replica:0/task:1/device:CPU:0``).
+        cross_device_ops: the ``CrossDeviceOps`` every cross-replica sum goes through
+            (``NcclAllReduce()`` when ``None``).
+        communication_options: the ``CommunicationOptions`` each call's own options
+            override (``CommunicationOptions()`` when ``None``).
 
     Example:
         >>> import jaxmirror
@@ -44,10 +50,39 @@ class StrategyExtended:
     """
 
     def __init__(self, container_strategy, devices, parameter_devices=None,
-                 distributed_variables: bool = True, tasks=None):
+                 distributed_variables: bool = True, tasks=None, cross_device_ops=None,
+                 communication_options=None):
         self._container_strategy_ref = container_strategy
         self._placement = Placement(devices, parameter_devices, distributed_variables)
         self._tasks = tasks
+        self._cross_device_ops = cross_device_ops or NcclAllReduce()
+        self._cross_device_ops.adopt(container_strategy)
+        self._options = communication_options or CommunicationOptions()
+
+    @property
+    def cross_device_ops(self) -> CrossDeviceOps:
+        """The ``CrossDeviceOps`` that compiles this strategy's cross-replica sums."""
+        return self._cross_device_ops
+
+    @property
+    def communication_options(self) -> CommunicationOptions:
+        """The strategy's default ``CommunicationOptions`` (a call's own override them)."""
+        return self._options
+
+    def options_for(self, options, method: str) -> CommunicationOptions:
+        """The options a call uses: its ``options`` over the strategy's.
+
+        Args:
+            options: the call's ``CommunicationOptions``, or ``None``.
+            method: the API name, for the error.
+
+        Returns:
+            ``CommunicationOptions``.
+
+        Raises:
+            ValueError: when ``options`` is neither.
+        """
+        return self._options.merge(checked_options(options, method))
 
     @property
     def placement(self) -> Placement:
@@ -146,7 +181,7 @@ class StrategyExtended:
             reduce_op: a ``ReduceOp`` (or its name), or ``VariableAggregation.SUM``/``MEAN``.
             value: a ``PerReplica``/Mirrored value, a variable, or an array.
             destinations: a variable, a distributed value, an array, or a device string.
-            options: accepted for TF compatibility (XLA picks the collective).
+            options: ``CommunicationOptions`` for this call (over the strategy's), or ``None``.
 
         Returns:
             The reduced value: replicated over the strategy's devices for a distributed
@@ -175,9 +210,8 @@ class StrategyExtended:
               1: <jaxmirror.Variable 'Variable/replica_1:0' shape=() dtype=float32, numpy=2.0>
             }
         """
-        del options
         return inflight.tracked(self._placement, updates.reduce_to(
-            self._container_strategy_ref, reduce_op, value, destinations))
+            self._container_strategy_ref, reduce_op, value, destinations, options))
 
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
         """``reduce_to`` for several ``(value, destinations)`` pairs at once.
@@ -185,10 +219,10 @@ class StrategyExtended:
         Args:
             reduce_op: a ``ReduceOp`` (or its name), or ``VariableAggregation.SUM``/``MEAN``.
             value_destination_pairs: a list of ``(value, destinations)`` pairs.
-            options: accepted for TF compatibility.
+            options: ``CommunicationOptions`` for this call (over the strategy's), or ``None``.
 
         Returns:
-            A list with one reduced value per pair.
+            A list with one reduced value per pair (their sums made by one program).
 
         Raises:
             ValueError: when a pair is malformed, and as ``reduce_to``.
@@ -209,9 +243,31 @@ class StrategyExtended:
             >>> float(v.numpy())
             2.0
         """
-        del options
         return inflight.tracked(self._placement, updates.batch_reduce_to(
-            self._container_strategy_ref, reduce_op, value_destination_pairs))
+            self._container_strategy_ref, reduce_op, value_destination_pairs, options))
+
+    def broadcast_to(self, tensor, destinations):
+        """Copy ``tensor`` to the devices of ``destinations`` (TF's ``broadcast_to``).
+
+        Args:
+            tensor: an array or a number.
+            destinations: a variable, a distributed value, an array, or a device string.
+
+        Returns:
+            The array at ``destinations``: replicated over a distributed destination's
+            devices, on one device for a device string.
+
+        Raises:
+            ValueError: for empty ``destinations``.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> x = s.extended.broadcast_to(3.0, "CPU:1")
+            >>> float(x), [d.id for d in x.devices()]
+            (3.0, [1])
+        """
+        return updates.broadcast_to(self._container_strategy_ref, tensor, destinations)
 
     def update(self, var, fn, args=(), kwargs=None, group=True):
         """Apply ``fn(component, *args, **kwargs)`` to every component of the variable ``var``.

@@ -19,8 +19,9 @@ class MirroredStrategy(Strategy):
         devices: the devices to use: ``jax.Device`` objects or TF device strings ("GPU:0",
             "/gpu:1", "/device:CPU:0", ...). ``None`` takes every local GPU, or every local
             CPU device when there is no GPU.
-        cross_device_ops: a ``CrossDeviceOps`` (accepted for TF compatibility: XLA compiles the
-            all-reduce itself, whichever is given) or ``None``.
+        cross_device_ops: the ``CrossDeviceOps`` that compiles the cross-replica sums
+            (``NcclAllReduce``, ``HierarchicalCopyAllReduce``, ``ReductionToOneDevice``);
+            ``None`` takes ``NcclAllReduce()``.
 
     Raises:
         ValueError: for an empty or duplicated device list, an unknown device, or a
@@ -44,7 +45,7 @@ class MirroredStrategy(Strategy):
         else:
             devs = devices_lib.resolve_all(devices, "MirroredStrategy", "devices")
         self._cross_device_ops = cross_device_ops
-        super().__init__(StrategyExtended(self, devs))
+        super().__init__(StrategyExtended(self, devs, cross_device_ops=cross_device_ops))
 
     def _constructor_args(self) -> tuple:
         return (list(self.extended.devices), self._cross_device_ops)

@@ -42,7 +42,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             ``TF_CONFIG`` (``TFConfigClusterResolver``).
         communication_options: a ``jaxmirror.experimental.CommunicationOptions``; its
             ``timeout_seconds`` bounds joining the cluster and is the heartbeat timeout after
-            which a silent worker counts as dead (default 300 s).
+            which a silent worker counts as dead (default 300 s); ``bytes_per_pack`` and
+            ``wire_dtype`` are the defaults of every all-reduce (a call's own options override
+            them). The sums are ``NcclAllReduce`` packs (gloo between CPU processes).
 
     Raises:
         ValueError: for a malformed cluster (see the resolver), a task that is not a chief or
@@ -85,7 +87,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._layout = layout
         tasks = None if layout is None else tuple((t.job, t.index) for t in layout.tasks)
         super().__init__(StrategyExtended(self, devices_lib.default_global_devices(),
-                                          tasks=tasks))
+                                          tasks=tasks,
+                                          communication_options=communication_options))
 
     @property
     def cluster_resolver(self):

@@ -307,7 +307,8 @@ class Strategy(InputMethods):
     def __deepcopy__(self, memo):
         """A new strategy of the same kind over the same devices (and cluster); the copy has
         its own programs, and the variables made in this one's scope stay this one's."""
-        for device in self._extended.devices:
+        placement = self._extended.placement
+        for device in placement.devices + placement.parameter_devices:
             memo[id(device)] = device  # devices are the machine's: shared, never copied
         return type(self)(*copy.deepcopy(self._constructor_args(), memo))
 

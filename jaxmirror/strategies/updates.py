@@ -44,7 +44,8 @@ def _placement(strategy, destinations):
         state = state_of(destinations)
         if isinstance(state, PerReplica) or (is_distributed(destinations)
                                              and strategy.num_replicas_in_sync > 1):
-            return ext.replicated_sharding
+            return ext.placement.storage_sharding if not isinstance(
+                state, PerReplica) else ext.replicated_sharding  # central: the parameter device
         return state.sharding if isinstance(state, jax.Array) else None
     if isinstance(destinations, DistributedValues):
         return ext.replicated_sharding if strategy.num_replicas_in_sync > 1 else ext.devices[0]
@@ -53,24 +54,39 @@ def _placement(strategy, destinations):
     return devices_lib.resolve(destinations, "reduce_to", "destinations")
 
 
-def reduce_to(strategy, reduce_op, value, destinations):
+def reduce_to(strategy, reduce_op, value, destinations, options=None):
     """``StrategyExtended.reduce_to`` (see there)."""
-    op = reduce_op_of(reduce_op)
-    _check_destinations(destinations)
-    result = cross_replica.reduce(strategy, op, value, None, method="reduce_to")
-    if any(_compat.is_tracer(x) for x in jax.tree.leaves(result)):
-        return result  # inside a merge_fn: every replica holds the result already
-    placement = _placement(strategy, destinations)
-    return result if placement is None else jax.device_put(result, placement)
+    return batch_reduce_to(strategy, reduce_op, [(value, destinations)], options,
+                           method="reduce_to")[0]
 
 
-def batch_reduce_to(strategy, reduce_op, value_destination_pairs):
-    """``StrategyExtended.batch_reduce_to`` (see there)."""
+def batch_reduce_to(strategy, reduce_op, value_destination_pairs, options=None,
+                    method: str = "batch_reduce_to"):
+    """``StrategyExtended.batch_reduce_to`` (see there): every pair's sums in one program."""
     if not isinstance(value_destination_pairs, (list, tuple)) or not all(
             isinstance(p, (list, tuple)) and len(p) == 2 for p in value_destination_pairs):
         raise ValueError(f"batch_reduce_to: `value_destination_pairs` must be a list or tuple of "
                          f"(value, destinations) pairs; got {value_destination_pairs!r}.")
-    return [reduce_to(strategy, reduce_op, v, d) for v, d in value_destination_pairs]
+    op = reduce_op_of(reduce_op)
+    for _, destinations in value_destination_pairs:
+        _check_destinations(destinations)
+    results = cross_replica.reduce(strategy, op, [v for v, _ in value_destination_pairs], None,
+                                   method=method, options=options)
+    if any(_compat.is_tracer(x) for x in jax.tree.leaves(results)):
+        return results  # inside a merge_fn: every replica holds the results already
+    placed = []
+    for result, (_, destinations) in zip(results, value_destination_pairs):
+        placement = _placement(strategy, destinations)
+        placed.append(result if placement is None else jax.device_put(result, placement))
+    return placed
+
+
+def broadcast_to(strategy, tensor, destinations):
+    """``StrategyExtended.broadcast_to`` (see there)."""
+    _check_destinations(destinations)
+    placement = _placement(strategy, destinations)
+    tensor = jax.numpy.asarray(tensor)
+    return tensor if placement is None else jax.device_put(tensor, placement)
 
 
 # -- update -----------------------------------------------------------------------------------

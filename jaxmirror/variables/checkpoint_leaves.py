@@ -164,7 +164,7 @@ def sharding_of(leaf):
         placement = strategy.extended.placement
         if leaf.sharding is not None and leaf.sharding.device_set == placement.device_set:
             return leaf.sharding
-        return placement.mirrored_sharding
+        return placement.storage_sharding
     return None
 
 

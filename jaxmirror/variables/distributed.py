@@ -19,7 +19,7 @@ from jaxmirror.core.bits import moved
 from jaxmirror.core.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
 from jaxmirror.core.values import (DistributedValues, GatheredPerReplica, Mirrored, PerReplica,
                                    components)
-from jaxmirror.variables import state
+from jaxmirror.variables import display, state
 from jaxmirror.variables.assignment import combine, convert, owned_copy
 from jaxmirror.variables.variable import Variable
 
@@ -146,12 +146,12 @@ class MirroredVariable(_DistributedVariable, synchronization=Sync.ON_WRITE):
         new = owned_copy(convert(self, value, method))
         placement = self._placement
         if method == "assign":
-            return placement.replicate(new)
+            return placement.store(new)
         old = self._state
         if isinstance(old, PerReplica):
             return PerReplica(placement.place_stacked(
                 combine(method, old.stacked, placement.replicate(new))))
-        return placement.replicate(combine(method, old, placement.replicate(new)))
+        return placement.store(combine(method, old, placement.store(new)))
 
 
 class SyncOnReadVariable(_DistributedVariable, synchronization=Sync.ON_READ):
@@ -236,3 +236,41 @@ class SyncOnReadVariable(_DistributedVariable, synchronization=Sync.ON_READ):
 
 
 __all__ = ["MirroredVariable", "SyncOnReadVariable"]
+
+
+class AggregatingVariable(MirroredVariable, synchronization=Sync.ON_WRITE, central=True):
+    """A variable stored once, on the parameter device (TF's ``AggregatingVariable``).
+
+    Made by ``jaxmirror.Variable(...)`` inside ``CentralStorageStrategy``'s scope with several
+    replicas. Each step broadcasts it to the replicas; assignments in a replica context are
+    combined by ``aggregation`` as a ``MirroredVariable``'s are (SUM, MEAN,
+    ONLY_FIRST_REPLICA), and the one result goes back to the parameter device. With NONE an
+    assignment in a replica context raises: one copy cannot hold every replica's value.
+    It prints as the one variable it is.
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.experimental.CentralStorageStrategy(["CPU:0", "CPU:1"], "CPU:2")
+        >>> with s.scope():
+        ...     v = jaxmirror.Variable(0.0, aggregation="sum")
+        >>> _ = s.run(lambda: v.assign_add(1.0 + jaxmirror.get_replica_context().replica_id_in_sync_group))
+        >>> v
+        <jaxmirror.Variable 'Variable:0' shape=() dtype=float32, numpy=3.0>
+    """
+
+    def _replica_write(self, slot, method, value):
+        frame = binding.current()
+        if self._aggregation is Agg.NONE and frame.num_replicas > 1:
+            raise ValueError(
+                f"Variable.{method}: {self.name!r} lives once on the parameter device, so in a "
+                f"replica context its replicas' values must be combined, and its aggregation "
+                f"is NONE; create it with an aggregation, e.g. jaxmirror.Variable(..., "
+                f"aggregation=jaxmirror.VariableAggregation.SUM) (or MEAN, "
+                f"ONLY_FIRST_REPLICA), or assign it in cross-replica context.")
+        return super()._replica_write(slot, method, value)
+
+    def _components_repr(self) -> list[str]:
+        return display.component_reprs(self, lambda: (self.read_value(),), 1)
+
+    def __repr__(self) -> str:
+        return self._components_repr()[0]

@@ -37,7 +37,8 @@ from jaxmirror.variables.operators import ArrayOperators
 
 Agg = VariableAggregation
 Sync = VariableSynchronization
-# What ``Variable(...)`` makes in a strategy's scope, by synchronization (ON_WRITE, ON_READ).
+# What ``Variable(...)`` makes in a strategy's scope, by synchronization (ON_WRITE, ON_READ)
+# and whether the strategy stores variables centrally (``Placement.central``).
 # The distributed classes register themselves when they are defined (``__init_subclass__``):
 # they subclass Variable, so this module cannot import them.
 _DISTRIBUTED_CLASSES: dict = {}
@@ -98,10 +99,10 @@ class Variable(ArrayOperators, Identity, Stateful):
         4.0
     """
 
-    def __init_subclass__(cls, synchronization=None, **kwargs):
+    def __init_subclass__(cls, synchronization=None, central=False, **kwargs):
         super().__init_subclass__(**kwargs)
         if synchronization is not None:
-            _DISTRIBUTED_CLASSES[synchronization] = cls
+            _DISTRIBUTED_CLASSES[synchronization, central] = cls
 
     def __new__(cls, initial_value=None, trainable=None, synchronization=Sync.AUTO,
                 aggregation=Agg.NONE, dtype=None, name=None):
@@ -116,7 +117,8 @@ class Variable(ArrayOperators, Identity, Stateful):
         if strategy is None or not strategy.extended.placement.distributed_variables:
             return object.__new__(Variable)
         kind = Sync.ON_READ if sync is Sync.ON_READ else Sync.ON_WRITE
-        return object.__new__(_DISTRIBUTED_CLASSES[kind])
+        central = kind is Sync.ON_WRITE and strategy.extended.placement.central
+        return object.__new__(_DISTRIBUTED_CLASSES[kind, central])
 
     def __init__(self, initial_value=None, trainable=None, synchronization=Sync.AUTO,
                  aggregation=Agg.NONE, dtype=None, name=None):
@@ -226,7 +228,7 @@ class Variable(ArrayOperators, Identity, Stateful):
         placement = self._placement
         if self.always_per_replica and placement.num_replicas > 1:
             return placement.stack_copies(value)
-        return placement.replicate(value)
+        return placement.store(value)
 
     def _slot(self):
         frame = binding.current()
@@ -370,7 +372,7 @@ class Variable(ArrayOperators, Identity, Stateful):
         new = combine(method, self._state, owned_copy(convert(self, value, method)))
         if self._strategy is None:
             return jnp.asarray(new)
-        return self._placement.replicate(new)
+        return self._placement.store(new)
 
     def _check_writable(self, frame, method: str) -> None:
         if self._strategy is None and frame.num_replicas > 1:

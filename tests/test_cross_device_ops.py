@@ -1,0 +1,378 @@
+"""Cross-device ops: what each implementation compiles to, that every cross-replica sum of a
+strategy goes through its ops, packing, communication options, the bfloat16 wire, and the same
+training under every ops (and CentralStorageStrategy) as on one device."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmirror as jm
+from jaxmirror.experimental import CommunicationOptions
+
+OPS = {
+    "nccl": lambda: jm.NcclAllReduce(),
+    "nccl-unpacked": lambda: jm.NcclAllReduce(num_packs=0),
+    "nccl-3-packs": lambda: jm.NcclAllReduce(num_packs=3),
+    "hierarchical": lambda: jm.HierarchicalCopyAllReduce(),
+    "one-device": lambda: jm.ReductionToOneDevice(),
+    "one-device-last": lambda: jm.ReductionToOneDevice(reduce_to_device="CPU:1"),
+}
+
+
+def _devices(n):
+    return [f"CPU:{i}" for i in range(n)]
+
+
+def _compiled(step, *args) -> str:
+    return step.lower(*args).compile().as_text()
+
+
+def _collectives(text: str) -> list:
+    """The collectives XLA runs, in order (``-start`` forms counted once)."""
+    return re.findall(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
+                      r"(?:-start)?\(", text)
+
+
+def _emitted(step, *args, op="all_reduce") -> int:
+    """How many collectives of one kind the step's program emits (before XLA combines any)."""
+    return step.lower(*args).as_text().count(f"stablehlo.{op}")
+
+
+def _tree_step(strategy, reduce_op="sum", options=None):
+    @strategy.function
+    def step(x):
+        ctx = jm.get_replica_context()
+        scale = ctx.replica_id_in_sync_group + 1
+        tree = {"a": x * scale, "b": (x[:3] * scale, jnp.ones((2, 2)) * scale),
+                "c": jnp.int32(1) * scale, "d": jnp.float32(2.0) * scale}
+        return ctx.all_reduce(reduce_op, tree, options=options)
+    return step
+
+
+# -- values ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_all_reduce_of_a_nest_sums_every_leaf(name, n):
+    s = jm.MirroredStrategy(_devices(n), cross_device_ops=OPS[name]())
+    x = jnp.arange(7.0)
+    total = n * (n + 1) // 2
+    out = _tree_step(s)(x)
+    np.testing.assert_allclose(out["a"], np.arange(7.0) * total, rtol=1e-6)
+    np.testing.assert_allclose(out["b"][0], np.arange(3.0) * total, rtol=1e-6)
+    np.testing.assert_allclose(out["b"][1], np.full((2, 2), total))
+    assert out["c"].dtype == jnp.int32 and int(out["c"]) == total
+    assert float(out["d"]) == 2.0 * total
+    mean = _tree_step(s, "mean")(x)
+    np.testing.assert_allclose(mean["a"], np.arange(7.0) * total / n, rtol=1e-6)
+    assert mean["c"].dtype == jnp.float32 and float(mean["c"]) == pytest.approx(total / n)
+
+
+# -- what each implementation compiles to ----------------------------------------------------
+def test_nccl_all_reduce_is_one_all_reduce_per_pack_and_dtype():
+    s = jm.MirroredStrategy(_devices(8), cross_device_ops=jm.NcclAllReduce())
+    text = _compiled(_tree_step(s), jnp.arange(7.0))
+    assert set(_collectives(text)) == {"all-reduce"}
+    assert "replica_groups={{0,1,2,3,4,5,6,7}}" in text
+    # one pack of float32 leaves, one of int32
+    assert _emitted(_tree_step(s), jnp.arange(7.0)) == 2
+
+
+@pytest.mark.parametrize("num_packs,expected", [(0, 5), (1, 2), (3, 4), (7, 8)])
+def test_num_packs_sets_how_many_all_reduces(num_packs, expected):
+    # 4 float32 leaves (7 + 3 + 4 + 1 = 15 floats) and one int32 leaf: num_packs float
+    # packs + one int pack; 0 = every leaf on its own.
+    s = jm.MirroredStrategy(_devices(4), cross_device_ops=jm.NcclAllReduce(num_packs=num_packs))
+    assert _emitted(_tree_step(s), jnp.arange(7.0)) == expected
+
+
+@pytest.mark.parametrize("bytes_per_pack", [8, 20, 1 << 20])
+def test_bytes_per_pack_cuts_packs_of_about_that_size(bytes_per_pack):
+    s = jm.MirroredStrategy(_devices(4))
+    options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
+    floats = math.ceil(15 * 4 / bytes_per_pack)
+    ints = math.ceil(4 / bytes_per_pack)
+    step = _tree_step(s, options=options)
+    assert _emitted(step, jnp.arange(7.0)) == floats + ints
+    assert float(step(jnp.arange(7.0))["d"]) == 20.0
+
+
+def test_hierarchical_reduces_within_groups_across_groups_and_gathers_back():
+    s = jm.MirroredStrategy(_devices(8), cross_device_ops=jm.HierarchicalCopyAllReduce())
+    text = _compiled(_tree_step(s), jnp.arange(7.0))
+    lines = {op: [l for l in text.splitlines() if re.search(rf"\b{op}(-start)?\(", l)]
+             for op in ("reduce-scatter", "all-reduce", "all-gather")}
+    within, across = "{{0,1,2,3},{4,5,6,7}}", "{{0,4},{1,5},{2,6},{3,7}}"
+    assert lines["reduce-scatter"] and all(within in l for l in lines["reduce-scatter"])
+    assert lines["all-reduce"] and all(across in l for l in lines["all-reduce"])
+    assert lines["all-gather"] and all(within in l for l in lines["all-gather"])
+    assert "collective-permute" not in _collectives(text)
+
+
+def test_reduction_to_one_device_sends_to_it_and_broadcasts_back():
+    s = jm.MirroredStrategy(_devices(8),
+                            cross_device_ops=jm.ReductionToOneDevice(reduce_to_device="CPU:3"))
+
+    @s.function
+    def step(x):
+        return jm.get_replica_context().all_reduce("sum", x)
+
+    text = _compiled(step, jnp.arange(4.0))
+    assert set(_collectives(text)) == {"collective-permute"}
+    permutes = [[tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", group)]
+                for group in re.findall(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}", text)]
+    # 7 single sends into replica 3, then a doubling broadcast from it: 1, 2, 4 pairs.
+    sends = [g[0] for g in permutes if len(g) == 1 and g[0][1] == 3]
+    assert sorted(sends) == [(i, 3) for i in range(8) if i != 3]
+    broadcast = [g for g in permutes if g not in [[p] for p in sends]]
+    assert sorted(map(len, broadcast)) == [1, 2, 4]
+    assert {dst for g in broadcast for _, dst in g} == set(range(8)) - {3}
+    assert _emitted(step, jnp.arange(4.0), op="collective_permute") == 10
+    assert step(jnp.arange(4.0)).tolist() == [0.0, 8.0, 16.0, 24.0]
+
+
+def test_accumulation_fn_runs_on_the_reduction_device():
+    seen = []
+
+    def accumulate(values):
+        seen.append(len(values))
+        return sum(values) * 10  # visible in every result below
+
+    ops = jm.ReductionToOneDevice(accumulation_fn=accumulate)
+    s = jm.MirroredStrategy(_devices(4), cross_device_ops=ops)
+    assert float(s.run(lambda: jm.get_replica_context().all_reduce("sum", 1.0))) == 40.0
+    assert seen and set(seen) == {4}
+
+
+# -- every cross-replica sum of the strategy goes through its ops -----------------------------
+def _tenfold_strategy(n=4):
+    """A strategy whose sums come out 10x: proof that a path went through its ops."""
+    ops = jm.ReductionToOneDevice(accumulation_fn=lambda values: sum(values) * 10)
+    return jm.MirroredStrategy(_devices(n), cross_device_ops=ops), ops
+
+
+def test_reduce_reduce_to_batch_reduce_to_and_merge_fn_use_the_strategys_ops():
+    s, ops = _tenfold_strategy()
+    ids = s.run(lambda: jnp.float32(jm.get_replica_context().replica_id_in_sync_group + 1))
+    assert float(s.reduce("sum", ids, axis=None)) == 100.0
+    assert float(s.reduce("mean", ids, axis=None)) == 25.0
+    assert float(s.extended.reduce_to("sum", ids, destinations="CPU:0")) == 100.0
+    twice = jm.PerReplica(ids.stacked * 2)
+    assert [float(v) for v in s.extended.batch_reduce_to("sum", [(ids, "CPU:0"),
+                                                                  (twice, "CPU:1")])] == [
+        100.0, 200.0]
+    assert float(ops.reduce("sum", ids, destinations="CPU:2")) == 100.0
+    assert [float(v) for v in ops.batch_reduce("mean", [(ids, "CPU:0")])] == [25.0]
+
+    def merge_fn(strategy, value):
+        return strategy.reduce("sum", value, axis=None)
+
+    def step():
+        ctx = jm.get_replica_context()
+        return ctx.merge_call(merge_fn, args=(jnp.float32(ctx.replica_id_in_sync_group + 1),))
+
+    assert float(s.run(step)) == 100.0
+
+
+def test_reduce_with_an_axis_and_uneven_batches_uses_the_ops():
+    s, _ = _tenfold_strategy(2)
+    batch = next(iter(s.experimental_distribute_dataset([np.arange(3.0)])))  # rows 2 + 1
+    assert float(s.reduce("sum", batch, axis=0)) == 30.0
+    assert float(s.reduce("mean", batch, axis=0)) == pytest.approx(10.0)
+    even = s.run(lambda: jnp.ones(3) * (jm.get_replica_context().replica_id_in_sync_group + 1))
+    assert float(s.reduce("sum", even, axis=0)) == 90.0
+
+
+def test_broadcast_places_at_the_destinations():
+    ops = jm.NcclAllReduce()
+    s = jm.MirroredStrategy(_devices(2), cross_device_ops=ops)
+    with s.scope():
+        v = jm.Variable(0.0)
+    out = ops.broadcast(jnp.float32(3.0), v)
+    assert out.sharding == s.extended.replicated_sharding and float(out) == 3.0
+    assert set(ops.broadcast(1.0, "CPU:1").devices()) == {jax.devices()[1]}
+
+
+def test_ops_used_by_no_strategy_say_so():
+    with pytest.raises(ValueError, match="NcclAllReduce.reduce: no strategy uses"):
+        jm.NcclAllReduce().reduce("sum", 1.0, "CPU:0")
+
+
+def test_the_default_is_nccl_all_reduce_with_one_pack():
+    ops = jm.MirroredStrategy(_devices(2)).extended.cross_device_ops
+    assert type(ops) is jm.NcclAllReduce and ops.num_packs == 1
+
+
+# -- arguments --------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [jm.NcclAllReduce, jm.HierarchicalCopyAllReduce])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_bad_num_packs(cls, bad):
+    with pytest.raises(ValueError, match="`num_packs` must be a non-negative int"):
+        cls(num_packs=bad)
+
+
+def test_bad_reduction_device_and_accumulation_fn():
+    with pytest.raises(ValueError, match="reduce_to_device"):
+        jm.ReductionToOneDevice(reduce_to_device="TPU:9")
+    with pytest.raises(ValueError, match="`accumulation_fn` must be callable"):
+        jm.ReductionToOneDevice(accumulation_fn=3)
+    s = jm.MirroredStrategy(_devices(2),
+                            cross_device_ops=jm.ReductionToOneDevice(reduce_to_device="CPU:5"))
+    with pytest.raises(ValueError, match="`reduce_to_device` 'CPU:5' .* runs no replica"):
+        s.run(lambda: jm.get_replica_context().all_reduce("sum", 1.0))
+
+
+@pytest.mark.parametrize("kwargs,arg", [
+    ({"bytes_per_pack": -1}, "bytes_per_pack"), ({"bytes_per_pack": 1.5}, "bytes_per_pack"),
+    ({"timeout_seconds": 0}, "timeout_seconds"), ({"implementation": "MPI"}, "implementation"),
+    ({"wire_dtype": "int8"}, "wire_dtype"), ({"wire_dtype": "nope"}, "wire_dtype"),
+])
+def test_bad_communication_options_name_the_argument(kwargs, arg):
+    with pytest.raises(ValueError, match=f"`{arg}`"):
+        CommunicationOptions(**kwargs)
+
+
+def test_options_that_are_not_communication_options():
+    s = jm.MirroredStrategy(_devices(2))
+    with pytest.raises(ValueError, match="all_reduce: `options` must be"):
+        s.run(lambda: jm.get_replica_context().all_reduce("sum", 1.0, options={"a": 1}))
+    x = s.run(lambda: jm.get_replica_context().replica_id_in_sync_group)
+    with pytest.raises(ValueError, match="reduce_to: `options` must be"):
+        s.extended.reduce_to("sum", x, "CPU:0", options=4)
+    with pytest.raises(ValueError, match="batch_reduce_to: `options` must be"):
+        s.extended.batch_reduce_to("sum", [(x, "CPU:0")], options="fast")
+
+
+def test_call_options_override_the_strategys():
+    s = jm.MultiWorkerMirroredStrategy(
+        communication_options=CommunicationOptions(bytes_per_pack=4))  # no cluster: local
+    assert s.extended.communication_options.bytes_per_pack == 4
+    step = _tree_step(s)
+    per_float_leaf = 15 + 1  # every 4-byte element its own pack, and the int
+    assert _emitted(step, jnp.arange(7.0)) == per_float_leaf
+    wide = _tree_step(s, options=CommunicationOptions(bytes_per_pack=1 << 20))
+    assert _emitted(wide, jnp.arange(7.0)) == 2
+    merged = s.extended.options_for(CommunicationOptions(wire_dtype="bfloat16"), "all_reduce")
+    assert merged.bytes_per_pack == 4 and merged.wire_dtype == jnp.bfloat16
+
+
+# -- the bfloat16 wire ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["nccl", "hierarchical", "one-device"])
+def test_bfloat16_wire_error_against_float32(name):
+    n = 8
+    s = jm.MirroredStrategy(_devices(n), cross_device_ops=OPS[name]())
+    grads = np.random.default_rng(0).normal(size=(n, 1000)).astype(np.float32)
+    per_replica = s.experimental_distribute_values_from_function(
+        lambda ctx: jnp.asarray(grads[ctx.replica_id_in_sync_group]))
+    wire = CommunicationOptions(wire_dtype="bfloat16")
+
+    @s.function
+    def step(g):
+        ctx = jm.get_replica_context()
+        return ctx.all_reduce("mean", g), ctx.all_reduce("mean", g, options=wire)
+
+    exact, narrow = step(per_replica)
+    assert narrow.dtype == jnp.float32
+    want = grads.astype(np.float64).mean(0)
+    np.testing.assert_allclose(exact, want, rtol=1e-5, atol=1e-6)
+    # Each input is rounded to bfloat16 (8 significant bits: unit roundoff 2**-8) once, and the
+    # mean once more: at most 2**-8 of the inputs' magnitude plus 2**-8 of the result's, per
+    # element. A sum accumulated in bfloat16 would add a rounding per addition.
+    scale = np.abs(grads).mean(0) + np.abs(want)
+    error = np.abs(np.asarray(narrow) - want) / scale
+    print(f"{name}: bfloat16 wire vs float32, error relative to the values' magnitude: "
+          f"max {error.max():.2e}, mean {error.mean():.2e}")
+    assert 0 < error.max() <= 2 ** -8 and error.mean() < 2 ** -10
+    # What the step emits sends bfloat16 (XLA's CPU backend then widens collectives to float32;
+    # GPUs send bfloat16), and never sums in it.
+    emitted = [l for l in step.lower(per_replica).as_text().splitlines()
+               if re.search(r"stablehlo\.(all_to_all|all_gather|collective_permute)", l)]
+    assert emitted and any("bf16" in l for l in emitted)
+    assert not any("stablehlo.all_reduce" in l and "bf16" in l
+                   for l in step.lower(per_replica).as_text().splitlines())
+
+
+# -- gradients through the collectives ---------------------------------------------------------
+@pytest.mark.parametrize("name", ["hierarchical", "one-device", "nccl-3-packs"])
+def test_gradients_through_all_reduce_match_the_default(name):
+    def grads(strategy):
+        @strategy.function
+        def step(w):
+            ctx = jm.get_replica_context()
+            scale = ctx.replica_id_in_sync_group + 1.0
+
+            def f(w):
+                total = ctx.all_reduce("sum", {"u": w * scale, "v": w ** 2})
+                return jnp.sum(total["u"] * total["v"])
+            return ctx.all_reduce("sum", jax.grad(f)(w))
+        return np.asarray(step(jnp.arange(1.0, 4.0)))
+
+    base = grads(jm.MirroredStrategy(_devices(4)))
+    np.testing.assert_allclose(
+        grads(jm.MirroredStrategy(_devices(4), cross_device_ops=OPS[name]())), base, rtol=1e-6)
+
+
+# -- the same training under every ops, and CentralStorageStrategy --------------------------------
+def _data():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 16, 5)).astype(np.float32)
+    y = rng.normal(size=(3, 16, 2)).astype(np.float32)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (5, 8)) * 0.3, "b1": jnp.zeros(8),
+              "w2": jax.random.normal(k2, (8, 2)) * 0.3, "b2": jnp.zeros(2)}
+    return x, y, params
+
+
+def _per_example(params, x, y):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return jnp.sum((h @ params["w2"] + params["b2"] - y) ** 2, axis=-1)
+
+
+def _single_device_training():
+    x, y, params = _data()
+    losses = []
+    for i in range(3):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(_per_example(p, x[i], y[i])))(params)
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, g)
+        losses.append(float(loss))
+    return params, losses
+
+
+def _strategy_training(strategy):
+    x, y, params = _data()
+    params = strategy.experimental_replicate(params)
+
+    @strategy.run
+    def step(params, xb, yb):
+        ctx = jm.get_replica_context()
+        loss, g = jax.value_and_grad(
+            lambda p: jm.compute_average_loss(_per_example(p, xb, yb)))(params)
+        g = ctx.all_reduce("sum", g)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), loss
+
+    dataset = strategy.experimental_distribute_dataset([(x[i], y[i]) for i in range(3)])
+    losses = []
+    for xb, yb in dataset:
+        params, loss = step(params, xb, yb)
+        losses.append(float(strategy.reduce("sum", loss, axis=None)))
+    return params, losses
+
+
+@pytest.mark.parametrize("name", ["nccl", "hierarchical", "one-device", "central"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_training_equals_single_device_training(name, n):
+    if name == "central":
+        strategy = jm.experimental.CentralStorageStrategy(_devices(n))
+    else:
+        strategy = jm.MirroredStrategy(_devices(n), cross_device_ops=OPS[name]())
+    want_params, want_losses = _single_device_training()
+    params, losses = _strategy_training(strategy)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for key in want_params:
+        np.testing.assert_allclose(params[key], want_params[key], rtol=1e-5, atol=1e-6)
+    if name == "central":  # the parameters stayed on the parameter device
+        assert all(p.sharding == strategy.extended.placement.storage_sharding
+                   for p in params.values())
