@@ -165,6 +165,32 @@ def restore_params(strategy, path):
     return {k: np.asarray(v.read_value()) for k, v in target.items()}
 
 
+def communication_options(strategy):
+    """``all_reduce`` and ``reduce_to`` with ``CommunicationOptions``: packs of 16 bytes, a
+    bfloat16 wire, and the defaults; the sums as lists."""
+    import jax.numpy as jnp
+
+    import jaxmirror as jm
+
+    options = {"default": None,
+               "packs": jm.experimental.CommunicationOptions(bytes_per_pack=16),
+               "bfloat16": jm.experimental.CommunicationOptions(wire_dtype="bfloat16")}
+    out = {}
+    for name, option in options.items():
+        @strategy.function
+        def step():
+            ctx = jm.get_replica_context()
+            i = ctx.replica_id_in_sync_group + 1.0
+            return ctx.all_reduce("sum", {"a": jnp.arange(10.0) / 3 * i, "b": i, "c": jnp.int32(2)},
+                                  options=option)
+        result = step()
+        out[name] = [np.asarray(result[k]).tolist() for k in "abc"]
+    ids = strategy.run(lambda: jm.get_replica_context().replica_id_in_sync_group + 1.0)
+    out["reduce_to"] = float(strategy.extended.reduce_to("mean", ids, "CPU:0",
+                                                         options=options["packs"]))
+    return out
+
+
 def in_worker(name, *args):
     """Run scenario ``name`` on a ``MultiWorkerMirroredStrategy`` made from this worker's
     ``TF_CONFIG``; returns the worker's index and the scenario's result."""

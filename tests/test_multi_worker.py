@@ -83,6 +83,18 @@ def test_mlp_training_equals_one_process_step_for_step(workers, devices):
     assert ref["losses"][-1] < ref["losses"][0]
 
 
+@pytest.mark.parametrize("workers,devices", LAYOUTS)
+def test_communication_options_across_processes(workers, devices):
+    want = _reference("communication_options")
+    for got in _launch("communication_options", workers, devices):
+        for name in ("default", "packs"):  # gloo may add in another order: float tolerance
+            np.testing.assert_allclose(got[name][0], want["default"][0], rtol=1e-6)
+            assert got[name][1:] == want[name][1:] == [10.0, 8]
+        np.testing.assert_allclose(got["bfloat16"][0], want["bfloat16"][0], rtol=1e-6)
+        np.testing.assert_allclose(got["bfloat16"][0], want["default"][0], rtol=2 ** -7)
+        assert got["reduce_to"] == want["reduce_to"] == 2.5
+
+
 def test_dataset_from_function_sees_every_example_once_with_uneven_workers():
     results = _launch("pipelines", 2, 2)
     for index, got in enumerate(results):

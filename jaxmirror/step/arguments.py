@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmirror.core.stateful import is_opaque
+from jaxmirror.core.stateful import Stateful, is_opaque
+from jaxmirror.core.values import is_distributed
+from jaxmirror.variables.state import state_of
 
 ACCEPTED = ("Accepted are arrays (jax.Array, numpy) of a numeric or bool dtype, Python numbers, "
             "jaxmirror distributed values and variables, and nests (tuples, lists, dicts, "
@@ -248,3 +250,28 @@ def check_arguments(args, kwargs, api: str) -> None:
 
 
 __all__ = ["ACCEPTED", "check_arguments", "describe_leaf"]
+
+
+def has_variables(args, kwargs) -> bool:
+    """Whether the arguments hold variables (``Stateful`` leaves)."""
+    return any(isinstance(x, Stateful)
+               for x in jax.tree.leaves((args, kwargs), is_leaf=is_distributed))
+
+
+def take_variables(args, kwargs, captured):
+    """Variables in the arguments replaced by their arrays, and the static binding key.
+
+    Returns:
+        ``((positions, variables, captured), args, kwargs)``: the flat positions of the
+        variables among the arguments' leaves, the variables, and the captured ones.
+    """
+    # Numbered as _trace numbers them: distributed values are leaves.
+    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
+    positions, variables = [], []
+    for i, x in enumerate(leaves):
+        if isinstance(x, Stateful):
+            positions.append(i)
+            variables.append(x)
+            leaves[i] = state_of(x)
+    args, kwargs = jax.tree.unflatten(tree, leaves)
+    return (tuple(positions), tuple(variables), captured), args, kwargs

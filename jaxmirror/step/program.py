@@ -19,7 +19,6 @@ time for the same per-replica signature.
 from __future__ import annotations
 
 import functools
-import inspect
 import types
 import warnings
 import weakref
@@ -27,49 +26,17 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-from jaxmirror.core import _compat, binding, context, inflight
+from jaxmirror.core import _compat, binding, inflight
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
 from jaxmirror.step import graphs, placing
-from jaxmirror.step.arguments import check_arguments
+from jaxmirror.step.arguments import check_arguments, has_variables, take_variables
+from jaxmirror.step.call_rules import check_can_run, wants_arguments
 from jaxmirror.step.static_binding import StaticBinding
 from jaxmirror.step.trace import Traced, emit, local_key, run_op_by_op, trace_replica
 from jaxmirror.variables import state
 from jaxmirror.variables.creation import created_in
 from jaxmirror.variables.state import state_of
-
-
-def wants_arguments(fn) -> bool:
-    """True when ``fn`` has a required positional parameter (then ``run(fn)`` decorates)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-               for p in params)
-
-
-def check_can_run(strategy) -> None:
-    """Refuse a ``run`` of ``strategy`` here, before any device work, as TF does.
-
-    ``run`` inside a step that ``run`` is tracing raises, and so does a strategy's ``run`` inside
-    another strategy's scope.
-
-    Args:
-        strategy: the strategy whose ``run`` is called.
-
-    Raises:
-        RuntimeError: in those two cases.
-    """
-    entry = context.current()
-    if entry.in_run:
-        raise RuntimeError(
-            "run: called inside a function that `run` is already running; call the inner "
-            "function directly, or, as TF says, \"Method requires being in cross-replica "
-            "context, use get_replica_context().merge_call()\"."
-        )
-    if entry.strategy is not strategy and entry.strategy is not context.default_strategy():
-        raise context.mixing_error(entry.strategy, strategy)
 
 
 class Program:
@@ -150,7 +117,7 @@ class Program:
             moved = self._mirrored_arguments(args, kwargs, err)
             if moved is not None:
                 return self(*moved[0], **moved[1])
-            if not _has_variables(args, kwargs):
+            if not has_variables(args, kwargs):
                 raise
             self._mode = Program._call_with_variable_args
             return self._call_with_variable_args(args, kwargs)
@@ -162,7 +129,7 @@ class Program:
         try:
             with state.lock:  # read, dispatch, write back: one update at a time
                 state.poll()  # first: a step seen to have failed is rolled back before the read
-                key, a, k = _take_variables(args, kwargs, captured)
+                key, a, k = take_variables(args, kwargs, captured)
                 variables = key[1] + captured
                 bound = self._binding(key)
                 if variables and not _compat.trace_state_clean():
@@ -251,7 +218,7 @@ class Program:
         """
         check_can_run(self._strategy)
         while True:
-            key, a, k = _take_variables(args, kwargs, self._captured)
+            key, a, k = take_variables(args, kwargs, self._captured)
             bound = None if key == ((), (), ()) else self._binding(key)
             states = tuple(map(state_of, self._captured))
             if self._central:
@@ -425,27 +392,3 @@ def _graph_step(fn_ref, key, nnx_objects, others):
     """The per-replica function of a step given NNX objects (``graphs``); the parameter names
     name the arguments in warnings."""
     return graphs.merged_call(fn_ref(), key, nnx_objects, others)
-
-
-def _has_variables(args, kwargs) -> bool:
-    return any(isinstance(x, Stateful)
-               for x in jax.tree.leaves((args, kwargs), is_leaf=is_distributed))
-
-
-def _take_variables(args, kwargs, captured):
-    """Variables in the arguments replaced by their arrays, and the static binding key.
-
-    Returns:
-        ``((positions, variables, captured), args, kwargs)``: the flat positions of the
-        variables among the arguments' leaves, the variables, and the captured ones.
-    """
-    # Numbered as _trace numbers them: distributed values are leaves.
-    leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
-    positions, variables = [], []
-    for i, x in enumerate(leaves):
-        if isinstance(x, Stateful):
-            positions.append(i)
-            variables.append(x)
-            leaves[i] = state_of(x)
-    args, kwargs = jax.tree.unflatten(tree, leaves)
-    return (tuple(positions), tuple(variables), captured), args, kwargs

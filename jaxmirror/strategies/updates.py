@@ -74,19 +74,31 @@ def batch_reduce_to(strategy, reduce_op, value_destination_pairs, options=None,
                                    method=method, options=options)
     if any(_compat.is_tracer(x) for x in jax.tree.leaves(results)):
         return results  # inside a merge_fn: every replica holds the results already
-    placed = []
-    for result, (_, destinations) in zip(results, value_destination_pairs):
-        placement = _placement(strategy, destinations)
-        placed.append(result if placement is None else jax.device_put(result, placement))
-    return placed
+    return [_placed_at(result, _placement(strategy, destinations))
+            for result, (_, destinations) in zip(results, value_destination_pairs)]
+
+
+def _placed_at(tree, target):
+    """``tree`` put at ``target`` (a sharding or a device; ``None``: where it is)."""
+    if target is None:
+        return tree
+
+    def leaf(x):
+        if isinstance(target, jax.Device) and isinstance(x, jax.Array) and x.is_fully_replicated:
+            # A copy is already there; across processes the whole array is not this
+            # process's to move, but its copy on a local device is.
+            for shard in x.addressable_shards:
+                if shard.device == target:
+                    return shard.data
+        return jax.device_put(x, target)
+
+    return jax.tree.map(leaf, tree)
 
 
 def broadcast_to(strategy, tensor, destinations):
     """``StrategyExtended.broadcast_to`` (see there)."""
     _check_destinations(destinations)
-    placement = _placement(strategy, destinations)
-    tensor = jax.numpy.asarray(tensor)
-    return tensor if placement is None else jax.device_put(tensor, placement)
+    return _placed_at(jax.numpy.asarray(tensor), _placement(strategy, destinations))
 
 
 # -- update -----------------------------------------------------------------------------------
