@@ -242,3 +242,23 @@ def test_deepcopy_makes_an_equivalent_strategy():
     assert twin is not s and type(twin) is Central
     assert twin.extended.parameter_devices == s.extended.parameter_devices
     assert twin.extended.worker_devices == s.extended.worker_devices
+
+
+def test_one_compute_device_with_its_own_parameter_device():
+    s = Central(["CPU:1"], "CPU:4")
+    with s.scope():
+        v = jm.Variable(1.0)
+    assert type(v) is jm.Variable  # plain, as TF's with one compute device
+    params = s.experimental_replicate({"w": jnp.ones(3)})
+
+    @s.function
+    def step(params):
+        v.assign_add(1.0)
+        return {"w": params["w"] * 2}, v.read_value()
+
+    for _ in range(2):
+        params, value = step(params)
+    assert float(v.numpy()) == 3.0 and float(value) == 3.0
+    assert params["w"].tolist() == [4.0, 4.0, 4.0]
+    for x in (v.read_value(), params["w"], value):
+        assert x.devices() == {_cpu(4)}

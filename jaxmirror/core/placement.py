@@ -110,7 +110,8 @@ class Placement:
         Returns:
             The same nest.
         """
-        return self._moved(tree, self.storage_sharding, self.replicated_sharding)
+        stored = self.storage_sharding.device_set
+        return self._moved(tree, lambda s: s.device_set == stored, self.replicated_sharding)
 
     def to_storage(self, tree):
         """``tree`` with the arrays replicated over the replicas moved to the parameter device.
@@ -124,14 +125,16 @@ class Placement:
         Returns:
             The same nest.
         """
-        return self._moved(tree, self.replicated_sharding, self.storage_sharding)
+        return self._moved(
+            tree, lambda s: s.is_fully_replicated and s.device_set == self.device_set,
+            self.storage_sharding)
 
     @staticmethod
-    def _moved(tree, source, target):
+    def _moved(tree, is_source, target):
         leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, PerReplica))
         chosen = [i for i, x in enumerate(leaves)
                   if isinstance(x, jax.Array) and not _compat.is_tracer(x)
-                  and x.sharding == source]
+                  and is_source(x.sharding)]
         if not chosen:
             return tree
         moved = jax.device_put([leaves[i] for i in chosen], target)  # one transfer call
