@@ -2,7 +2,6 @@
 strategy goes through its ops, packing, communication options, the bfloat16 wire, and the same
 training under every ops (and CentralStorageStrategy) as on one device."""
 
-import math
 import re
 
 import jax
@@ -89,14 +88,14 @@ def test_num_packs_sets_how_many_all_reduces(num_packs, expected):
     assert _emitted(_tree_step(s), jnp.arange(7.0)) == expected
 
 
-@pytest.mark.parametrize("bytes_per_pack", [8, 20, 1 << 20])
-def test_bytes_per_pack_cuts_packs_of_about_that_size(bytes_per_pack):
+# The float32 leaves hold 28, 12, 16 and 4 bytes (in flattening order), the int32 one 4.
+@pytest.mark.parametrize("bytes_per_pack,floats", [(8, 4), (20, 3), (30, 2), (1 << 20, 1)])
+def test_bytes_per_pack_groups_whole_leaves_into_packs_of_about_that_size(bytes_per_pack,
+                                                                          floats):
     s = jm.MirroredStrategy(_devices(4))
     options = CommunicationOptions(bytes_per_pack=bytes_per_pack)
-    floats = math.ceil(15 * 4 / bytes_per_pack)
-    ints = math.ceil(4 / bytes_per_pack)
     step = _tree_step(s, options=options)
-    assert _emitted(step, jnp.arange(7.0)) == floats + ints
+    assert _emitted(step, jnp.arange(7.0)) == floats + 1
     assert float(step(jnp.arange(7.0))["d"]) == 20.0
 
 
@@ -219,16 +218,72 @@ def test_bad_reduction_device_and_accumulation_fn():
         jm.ReductionToOneDevice(reduce_to_device="TPU:9")
     with pytest.raises(ValueError, match="`accumulation_fn` must be callable"):
         jm.ReductionToOneDevice(accumulation_fn=3)
-    s = jm.MirroredStrategy(_devices(2),
-                            cross_device_ops=jm.ReductionToOneDevice(reduce_to_device="CPU:5"))
     with pytest.raises(ValueError, match="`reduce_to_device` 'CPU:5' .* runs no replica"):
-        s.run(lambda: jm.get_replica_context().all_reduce("sum", 1.0))
+        jm.MirroredStrategy(_devices(2),
+                            cross_device_ops=jm.ReductionToOneDevice(reduce_to_device="CPU:5"))
+
+
+def test_implementation_error_shows_what_was_given():
+    with pytest.raises(ValueError, match="got 'foo'"):
+        CommunicationOptions(implementation="foo")
+
+
+def test_numpy_integers_are_accepted():
+    assert jm.NcclAllReduce(num_packs=np.int64(2)).num_packs == 2
+    assert CommunicationOptions(bytes_per_pack=np.int32(64)).bytes_per_pack == 64
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("wire", [None, "bfloat16"])
+def test_zero_size_leaves(name, wire):
+    s = jm.MirroredStrategy(_devices(4), cross_device_ops=OPS[name]())
+    options = CommunicationOptions(wire_dtype=wire)
+
+    @s.function
+    def step(x):
+        ctx = jm.get_replica_context()
+        return ctx.all_reduce("sum", {"empty": jnp.zeros((0, 3)), "x": x,
+                                      "empty_int": jnp.zeros((0,), jnp.int32)}, options=options)
+
+    out = step(jnp.ones(2))
+    assert out["empty"].shape == (0, 3) and out["empty_int"].shape == (0,)
+    assert out["x"].tolist() == [4.0, 4.0]
+    per_replica = s.run(lambda: jnp.zeros((0,)) + jm.get_replica_context().replica_id_in_sync_group)
+    assert s.reduce("sum", per_replica, axis=None).shape == (0,)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.parametrize("n", [2, 4])
+def test_booleans_sum_as_counts_under_every_ops(name, n):
+    s = jm.MirroredStrategy(_devices(n), cross_device_ops=OPS[name]())
+    out = s.run(lambda: jm.get_replica_context().all_reduce("sum", jnp.array([True, False])))
+    assert out.dtype == jnp.int32 and out.tolist() == [n, 0]
+    flags = s.run(lambda: jm.get_replica_context().replica_id_in_sync_group == 0)
+    assert int(s.reduce("sum", flags, axis=None)) == 1
+
+
+@pytest.mark.parametrize("name", ["nccl", "hierarchical", "one-device"])
+def test_a_mean_that_fits_the_wire_does_not_overflow(name):
+    s = jm.MirroredStrategy(_devices(8), cross_device_ops=OPS[name]())
+    half = CommunicationOptions(wire_dtype="float16")
+    out = s.run(lambda: jm.get_replica_context().all_reduce("mean", jnp.float32(1e4),
+                                                           options=half))
+    assert float(out) == 1e4
+
+
+@pytest.mark.parametrize("name", ["nccl-unpacked", "one-device"])
+def test_padded_rows_reaching_any_ops_warn(name):
+    s = jm.MirroredStrategy(_devices(4), cross_device_ops=OPS[name]())
+    batch = next(iter(s.experimental_distribute_dataset([np.arange(10.0)])))  # 3 3 2 2 rows
+    with pytest.warns(jm.experimental.PaddedRowsWarning):
+        s.run(lambda x: jm.get_replica_context().all_reduce("sum", jnp.sum(x)), args=(batch,))
 
 
 @pytest.mark.parametrize("kwargs,arg", [
     ({"bytes_per_pack": -1}, "bytes_per_pack"), ({"bytes_per_pack": 1.5}, "bytes_per_pack"),
     ({"timeout_seconds": 0}, "timeout_seconds"), ({"implementation": "MPI"}, "implementation"),
     ({"wire_dtype": "int8"}, "wire_dtype"), ({"wire_dtype": "nope"}, "wire_dtype"),
+    ({"wire_dtype": "float8_e4m3fn"}, "wire_dtype"), ({"wire_dtype": "float64"}, "wire_dtype"),
 ])
 def test_bad_communication_options_name_the_argument(kwargs, arg):
     with pytest.raises(ValueError, match=f"`{arg}`"):
@@ -251,8 +306,7 @@ def test_call_options_override_the_strategys():
         communication_options=CommunicationOptions(bytes_per_pack=4))  # no cluster: local
     assert s.extended.communication_options.bytes_per_pack == 4
     step = _tree_step(s)
-    per_float_leaf = 15 + 1  # every 4-byte element its own pack, and the int
-    assert _emitted(step, jnp.arange(7.0)) == per_float_leaf
+    assert _emitted(step, jnp.arange(7.0)) == 4 + 1  # every leaf its own pack
     wide = _tree_step(s, options=CommunicationOptions(bytes_per_pack=1 << 20))
     assert _emitted(wide, jnp.arange(7.0)) == 2
     merged = s.extended.options_for(CommunicationOptions(wire_dtype="bfloat16"), "all_reduce")

@@ -12,6 +12,7 @@ processes, a ring either way).
 from __future__ import annotations
 
 import enum
+import numbers
 
 import jax.numpy as jnp
 
@@ -43,14 +44,15 @@ class CommunicationOptions:
             naming the workers that never joined; ``None`` takes the default (300 s, as
             ``jax.distributed``).
         implementation: a ``CommunicationImplementation`` (or its name, e.g. ``"NCCL"``).
-        wire_dtype: a float dtype (e.g. ``"bfloat16"``) to send wider floats in; sums are
-            still accumulated in the values' own dtype, and the result is rounded to
-            ``wire_dtype`` once. ``None`` (the default) sends values as they are.
+        wire_dtype: ``"bfloat16"`` or ``"float16"`` (or ``"float32"``: as they are) to send
+            wider floats in; sums are accumulated in the values' own dtype, and the result
+            is rounded to ``wire_dtype`` once (a MEAN is divided first). float16 holds at
+            most 65504: a sum beyond that overflows (bfloat16 has float32's range). ``None``
+            (the default) sends values as they are.
 
     Raises:
         ValueError: for a negative ``bytes_per_pack``, a ``timeout_seconds`` that is not a
-            positive number, an unknown ``implementation``, or a ``wire_dtype`` that is not
-            a float dtype.
+            positive number, an unknown ``implementation``, or another ``wire_dtype``.
 
     Example:
         >>> import jaxmirror
@@ -63,7 +65,7 @@ class CommunicationOptions:
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds=None,
                  implementation=CommunicationImplementation.AUTO, wire_dtype=None):
-        if (not isinstance(bytes_per_pack, int) or isinstance(bytes_per_pack, bool)
+        if (not isinstance(bytes_per_pack, numbers.Integral) or isinstance(bytes_per_pack, bool)
                 or bytes_per_pack < 0):
             raise ValueError(f"CommunicationOptions: `bytes_per_pack` must be a non-negative "
                              f"int; got {bytes_per_pack!r}.")
@@ -72,16 +74,14 @@ class CommunicationOptions:
                 or not isinstance(timeout_seconds, (int, float)) or not timeout_seconds > 0):
             raise ValueError(f"CommunicationOptions: `timeout_seconds` must be a positive "
                              f"number of seconds or None; got {timeout_seconds!r}.")
+        given = implementation
         if isinstance(implementation, str):
-            try:
-                implementation = CommunicationImplementation[implementation.upper()]
-            except KeyError:
-                implementation = None
+            implementation = CommunicationImplementation.__members__.get(implementation.upper())
         if not isinstance(implementation, CommunicationImplementation):
             names = ", ".join(m.name for m in CommunicationImplementation)
             raise ValueError(f"CommunicationOptions: `implementation` must be a "
-                             f"CommunicationImplementation ({names}); got {implementation!r}.")
-        self.bytes_per_pack = bytes_per_pack
+                             f"CommunicationImplementation ({names}); got {given!r}.")
+        self.bytes_per_pack = int(bytes_per_pack)
         self.timeout_seconds = timeout_seconds
         self.implementation = implementation
         self.wire_dtype = _checked_wire_dtype(wire_dtype)
@@ -130,7 +130,11 @@ def _checked_wire_dtype(wire_dtype):
         dtype = jnp.dtype(wire_dtype)
     except TypeError:
         dtype = None
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"CommunicationOptions: `wire_dtype` must be a float dtype such as "
-                         f"'bfloat16' or 'float16', or None; got {wire_dtype!r}.")
+    if dtype not in _WIRE_DTYPES:
+        # Narrower floats (float8) would round sums away and overflow at a few hundred.
+        raise ValueError(f"CommunicationOptions: `wire_dtype` must be 'bfloat16', 'float16' "
+                         f"or 'float32', or None; got {wire_dtype!r}.")
     return dtype
+
+
+_WIRE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))

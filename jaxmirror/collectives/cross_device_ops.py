@@ -12,9 +12,11 @@ Outside a step, a sum is one cached program per strategy and options: ``jax.jit`
 
 from __future__ import annotations
 
+import numbers
 import weakref
 
 import jax
+import jax.numpy as jnp
 
 from jaxmirror.core import _compat, context
 from jaxmirror.core import devices as devices_lib
@@ -55,10 +57,11 @@ class CrossDeviceOps:
     """
 
     def __init__(self, num_packs: int = 1):
-        if not isinstance(num_packs, int) or isinstance(num_packs, bool) or num_packs < 0:
+        if (not isinstance(num_packs, numbers.Integral) or isinstance(num_packs, bool)
+                or num_packs < 0):
             raise ValueError(f"{type(self).__name__}: `num_packs` must be a non-negative int; "
                              f"got {num_packs!r}.")
-        self.num_packs = num_packs
+        self.num_packs = int(num_packs)
         self._strategy_ref = None
         self._programs: dict = {}
 
@@ -105,13 +108,17 @@ class CrossDeviceOps:
         op = as_reduce_op(reduce_op)
         options = options or CommunicationOptions()
         leaves, tree = jax.tree.flatten(value)
+        wire, n = options.wire_dtype, len(devices)
         if op is ReduceOp.MEAN:
             leaves = [as_float(x) for x in leaves]
-        wire, n = options.wire_dtype, len(devices)
+            if wire is not None:  # divided first, so that a mean that fits the wire fits it
+                leaves = [x / n for x in leaves]
+        else:  # one rule for every ops: booleans add up as counts, as jnp.sum counts them
+            leaves = [_counted(x) for x in leaves]
         sums = packing.packed_apply(
             leaves, lambda b: self.sum_buffer(b, axis_name, devices, wire),
             self.num_packs, options.bytes_per_pack, multiple_of=n)
-        if op is ReduceOp.MEAN:
+        if op is ReduceOp.MEAN and wire is None:
             sums = [x / n for x in sums]
         # Grouped and permuting collectives end replicated here; the analysis cannot see it.
         return jax.tree.unflatten(tree, [mark_replicated(x) for x in sums])
@@ -144,11 +151,15 @@ class CrossDeviceOps:
                               else x for x in stacked]))
 
     # -- TF's methods ------------------------------------------------------------------------
-    def adopt(self, strategy) -> None:
+    def adopt(self, strategy, devices: tuple) -> None:
         """Act for ``strategy`` from now on (a strategy calls this when it is given the object).
 
         Args:
             strategy: the strategy that uses these ops.
+            devices: its replicas' devices, in replica order.
+
+        Raises:
+            ValueError: when these ops cannot run on ``devices``.
         """
         self._strategy_ref = weakref.ref(strategy)
 
@@ -235,6 +246,11 @@ class CrossDeviceOps:
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
+
+
+def _counted(x):
+    x = jnp.asarray(x)
+    return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
 
 
 def _needs_placing(x, placement) -> bool:
@@ -326,6 +342,10 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn
         self._targets: dict = {}
+
+    def adopt(self, strategy, devices: tuple) -> None:
+        self.target_replica(tuple(devices))  # a device outside the strategy: say so now
+        super().adopt(strategy, devices)
 
     def target_replica(self, devices: tuple) -> int:
         """Which replica of a strategy with ``devices`` accumulates.

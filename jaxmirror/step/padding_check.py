@@ -47,10 +47,11 @@ class Flow(NamedTuple):
 
 
 NOTHING = Flow(None, False, None)
-# Collectives that sum (or gather, to be summed) across replicas, and the parameter naming
-# their axes.
+# Collectives that sum (or gather or send, to be summed) across replicas, and the parameter
+# naming their axes. The sends are how ``ReductionToOneDevice`` and a narrower wire dtype sum.
 COLLECTIVES = {lax.psum_p: "axes", _compat.psum_invariant_p: "axes",
-               lax.all_gather_p: "axis_name", _compat.reduce_scatter_p: "axis_name"}
+               lax.all_gather_p: "axis_name", _compat.reduce_scatter_p: "axis_name",
+               lax.ppermute_p: "axis_name", lax.all_to_all_p: "axis_name"}
 # Source lines are named by the first frame outside these packages (jax, jaxlib, jaxmirror).
 _INTERNAL = tuple(os.path.dirname(path) + os.sep
                   for path in (jax.__file__, jaxlib.__file__, os.path.dirname(__file__)))

@@ -56,7 +56,7 @@ class StrategyExtended:
         self._placement = Placement(devices, parameter_devices, distributed_variables)
         self._tasks = tasks
         self._cross_device_ops = cross_device_ops or NcclAllReduce()
-        self._cross_device_ops.adopt(container_strategy)
+        self._cross_device_ops.adopt(container_strategy, self._placement.devices)
         self._options = communication_options or CommunicationOptions()
 
     @property
