@@ -28,6 +28,7 @@ bench: install
 	$(PY) benchmarks/tf_loop.py
 	$(PY) benchmarks/nnx_step.py
 	$(PY) benchmarks/multi_worker.py
+	$(PY) benchmarks/cross_device_ops.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -200,9 +200,16 @@ def test_ops_used_by_no_strategy_say_so():
         jm.NcclAllReduce().reduce("sum", 1.0, "CPU:0")
 
 
-def test_the_default_is_nccl_all_reduce_with_one_pack():
-    ops = jm.MirroredStrategy(_devices(2)).extended.cross_device_ops
-    assert type(ops) is jm.NcclAllReduce and ops.num_packs == 1
+def test_the_default_is_nccl_all_reduce_packed_by_xla_within_one_process():
+    s = jm.MirroredStrategy(_devices(4))
+    ops = s.extended.cross_device_ops
+    assert type(ops) is jm.NcclAllReduce and ops.num_packs == 0
+    # per-leaf all-reduces (no padding, no copies), which XLA merges into one per dtype
+    step = _tree_step(s)
+    assert _emitted(step, jnp.arange(7.0)) == 5
+    text = _compiled(step, jnp.arange(7.0))
+    assert _collectives(text) == ["all-reduce"] * 2
+    assert "concatenate" not in step.lower(jnp.arange(7.0)).as_text()
 
 
 # -- arguments --------------------------------------------------------------------------------

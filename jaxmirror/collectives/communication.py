@@ -38,8 +38,8 @@ class CommunicationOptions:
     """Options for cross-replica communication (``tf.distribute.experimental.CommunicationOptions``).
 
     Args:
-        bytes_per_pack: pack small tensors into chunks of about this many bytes before
-            all-reducing them; 0 (the default) leaves the packing to the runtime.
+        bytes_per_pack: group whole leaves into packs of about this many bytes, one
+            collective each; 0 (the default): the cross-device ops' ``num_packs`` decides.
         timeout_seconds: how long cluster start-up may take before it fails with an error
             naming the workers that never joined; ``None`` takes the default (300 s, as
             ``jax.distributed``).

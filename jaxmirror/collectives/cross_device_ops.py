@@ -80,6 +80,18 @@ class CrossDeviceOps:
         """
         return algorithms.all_reduce(buf, axis_name, len(devices), wire)
 
+    def pad_multiple(self, num_replicas: int, wire) -> int:
+        """The multiple of elements ``sum_buffer`` needs a buffer padded to (1: none).
+
+        Args:
+            num_replicas: how many replicas.
+            wire: the dtype sent, or ``None``.
+
+        Returns:
+            An int: ``num_replicas`` when a narrower wire reduce-scatters, else 1.
+        """
+        return num_replicas if wire is not None else 1
+
     def all_reduce_in_program(self, reduce_op, value, axis_name, devices: tuple,
                               options: CommunicationOptions | None = None):
         """``value`` (a nest) summed or averaged over the replicas, inside the step's program.
@@ -117,7 +129,7 @@ class CrossDeviceOps:
             leaves = [_counted(x) for x in leaves]
         sums = packing.packed_apply(
             leaves, lambda b: self.sum_buffer(b, axis_name, devices, wire),
-            self.num_packs, options.bytes_per_pack, multiple_of=n)
+            self.num_packs, options.bytes_per_pack, multiple_of=self.pad_multiple(n, wire))
         if op is ReduceOp.MEAN and wire is None:
             sums = [x / n for x in sums]
         # Grouped and permuting collectives end replicated here; the analysis cannot see it.
@@ -262,8 +274,11 @@ def _needs_placing(x, placement) -> bool:
 class NcclAllReduce(CrossDeviceOps):
     """All-reduce per pack (``tf.distribute.NcclAllReduce``): XLA's all-reduce, NCCL's on GPUs.
 
-    The default of every mirrored strategy. Each dtype's leaves are concatenated and cut into
-    ``num_packs`` packs, one all-reduce each.
+    What a mirrored strategy uses when given none: with ``num_packs=0`` within one process
+    (XLA's own combiner then merges the per-leaf all-reduces without copying: a concatenated
+    pack cost 3x that for a 10M-float gradient tree of 200 leaves on 8 CPU devices), with
+    ``num_packs=1`` across processes (gloo pays per operand). Each dtype's leaves are
+    concatenated and cut into ``num_packs`` packs, one all-reduce each.
 
     Args:
         num_packs: packs per dtype; 0 all-reduces every leaf on its own.
@@ -304,6 +319,9 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
 
     def sum_buffer(self, buf, axis_name, devices: tuple, wire):
         return algorithms.hierarchical(buf, axis_name, len(devices), wire)
+
+    def pad_multiple(self, num_replicas: int, wire) -> int:
+        return num_replicas  # reduce-scatters within the groups (and across, with a wire)
 
 
 class ReductionToOneDevice(CrossDeviceOps):
@@ -373,6 +391,9 @@ class ReductionToOneDevice(CrossDeviceOps):
                     f"their devices, or None for the first.")
             target = self._targets[devices] = devices.index(device)
         return target
+
+    def pad_multiple(self, num_replicas: int, wire) -> int:
+        return 1  # whole buffers are sent
 
     def sum_buffer(self, buf, axis_name, devices: tuple, wire):
         return algorithms.to_one_device(buf, axis_name, len(devices),

@@ -35,8 +35,9 @@ class StrategyExtended:
             OneDeviceStrategy does).
         tasks: for a multi-worker cluster, each process's ``(job, task index)``, which name
             its devices (``/job:worker/replica:0/task:1/device:CPU:0``).
-        cross_device_ops: the ``CrossDeviceOps`` every cross-replica sum goes through
-            (``NcclAllReduce()`` when ``None``).
+        cross_device_ops: the ``CrossDeviceOps`` every cross-replica sum goes through;
+            ``None``: ``NcclAllReduce``, with one pack per dtype across processes (each
+            collective costs milliseconds there) and none within one (XLA merges them).
         communication_options: the ``CommunicationOptions`` each call's own options
             override (``CommunicationOptions()`` when ``None``).
 
@@ -55,7 +56,8 @@ class StrategyExtended:
         self._container_strategy_ref = container_strategy
         self._placement = Placement(devices, parameter_devices, distributed_variables)
         self._tasks = tasks
-        self._cross_device_ops = cross_device_ops or NcclAllReduce()
+        self._cross_device_ops = cross_device_ops or NcclAllReduce(
+            num_packs=1 if self._placement.multi_process else 0)
         self._cross_device_ops.adopt(container_strategy, self._placement.devices)
         self._options = communication_options or CommunicationOptions()
 

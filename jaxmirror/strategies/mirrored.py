@@ -21,7 +21,8 @@ class MirroredStrategy(Strategy):
             CPU device when there is no GPU.
         cross_device_ops: the ``CrossDeviceOps`` that compiles the cross-replica sums
             (``NcclAllReduce``, ``HierarchicalCopyAllReduce``, ``ReductionToOneDevice``);
-            ``None`` takes ``NcclAllReduce()``.
+            ``None`` takes ``NcclAllReduce(num_packs=0)``: per-leaf all-reduces, which XLA
+            merges without copying the leaves into packs.
 
     Raises:
         ValueError: for an empty or duplicated device list, an unknown device, or a
