@@ -1,6 +1,6 @@
 """``CrossDeviceOps``: how a strategy sums values across its replicas (TF's class family).
 
-A strategy holds one (``MirroredStrategy(devices, cross_device_ops=...)``; ``NcclAllReduce()``
+A strategy holds one (``MirroredStrategy(devices, cross_device_ops=...)``; ``NcclAllReduce``
 by default), and every cross-replica sum it makes goes through it: ``all_reduce`` inside a step,
 ``reduce``/``reduce_to``/``batch_reduce_to`` (and ``reduce`` in a ``merge_fn``) outside. The
 three implementations compile to different collectives (``collectives.algorithms``); packing
@@ -70,7 +70,7 @@ class CrossDeviceOps:
         """The sum of every replica's flat ``buf`` (inside the program); subclasses choose how.
 
         Args:
-            buf: this replica's 1-D buffer (length a multiple of the number of replicas).
+            buf: this replica's 1-D buffer (padded to a multiple of ``pad_multiple``).
             axis_name: the replica axis.
             devices: the replicas' devices, in replica order.
             wire: the dtype sent, or ``None`` for the buffer's own.

@@ -109,10 +109,6 @@ def local_results(strategy, value) -> tuple:
     return tuple(jax.tree.unflatten(tree, list(row)) for row in zip(*columns))
 
 
-def _summable(x):
-    return x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
-
-
 def _partial(strategy, op: ReduceOp, x, axis):
     """How a leaf reduces: ``("sum", partial, count, inside)`` when its replicas' partials
     must be summed across replicas (then divided by ``count`` for MEAN), else ``("done",
@@ -125,16 +121,16 @@ def _partial(strategy, op: ReduceOp, x, axis):
             ax = _norm_axis(axis, local.ndim, "reduce")
             count = n * local.shape[ax]
             local = local.sum(ax)
-        return ("sum", _summable(local), count, True)
+        return ("sum", local, count, True)
     k = kind(strategy, x)
     if k == PER_REPLICA:
         stacked = _real_rows(x, axis, "reduce")
         if isinstance(stacked, _Uneven):  # axis 0: each replica sums its real rows
             masked = jnp.where(_row_mask(jnp.asarray(stacked.stacked), stacked.counts),
                                stacked.stacked, 0)
-            return ("sum", _summable(masked.sum(axis=1)), sum(stacked.counts), False)
+            return ("sum", masked.sum(axis=1), sum(stacked.counts), False)
         if axis is None:
-            return ("sum", _summable(stacked), n, False)
+            return ("sum", stacked, n, False)
         ax = _norm_axis(axis, stacked.ndim - 1, "reduce") + 1
         return ("sum", stacked.sum(axis=ax), n * stacked.shape[ax], False)
     v = jnp.asarray(_mirrored_value(x))
