@@ -262,3 +262,45 @@ def test_one_compute_device_with_its_own_parameter_device():
     assert params["w"].tolist() == [4.0, 4.0, 4.0]
     for x in (v.read_value(), params["w"], value):
         assert x.devices() == {_cpu(4)}
+
+
+def test_per_replica_values_cannot_be_written_to_a_single_copy():
+    s = Central(["CPU:0", "CPU:1"], "CPU:3")
+    with s.scope():
+        v = jm.Variable(jnp.zeros(2), aggregation="mean")
+    per_replica = s.run(lambda: jnp.ones(2) * (jm.get_replica_context().replica_id_in_sync_group
+                                               + 2.0))
+    with pytest.raises(ValueError, match="stored once.*reduce them first"):
+        s.extended.update(v, lambda c, x: c.assign(x), args=(per_replica,))
+
+    def step():
+        x = jnp.ones(2) * (jm.get_replica_context().replica_id_in_sync_group + 2.0)
+        return s.extended.update(v, lambda c, x: c.assign(x), args=(x,))
+
+    with pytest.raises(ValueError, match="stored once"):
+        s.run(step)
+    assert v.numpy().tolist() == [0.0, 0.0]
+    assert v.read_value().sharding.device_set == {_cpu(3)}
+
+
+def test_a_plain_array_on_the_parameter_device_is_not_a_mirrored_value():
+    s = Central(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])  # parameters on CPU:0, where jnp puts arrays
+    with pytest.raises(ValueError, match="non-DistributedValues"):
+        s.reduce("sum", jnp.float32(2.0), axis=None)
+    assert float(s.reduce("mean", jnp.float32(2.0), axis=None)) == 2.0
+    total = s.run(lambda: jm.get_replica_context().all_reduce("sum", jnp.float32(1.0)))
+    assert float(s.reduce("sum", total, axis=None)) == 16.0  # a step's mirrored result: N copies
+
+
+def test_gradients_through_all_reduce_go_back_to_the_parameter_device():
+    s = Central(["CPU:0", "CPU:1", "CPU:2", "CPU:3"], "CPU:6")
+    w = s.experimental_replicate(jnp.arange(3.0))
+
+    @s.function
+    def step(w):
+        ctx = jm.get_replica_context()
+        return w - 0.1 * jax.grad(lambda w: jnp.sum(ctx.all_reduce("mean", w * w)))(w)
+
+    out = step(w)
+    assert out.devices() == {_cpu(6)}
+    np.testing.assert_allclose(out, np.arange(3.0) * 0.8, rtol=1e-6)

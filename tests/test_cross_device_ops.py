@@ -3,6 +3,7 @@ strategy goes through its ops, packing, communication options, the bfloat16 wire
 training under every ops (and CentralStorageStrategy) as on one device."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -437,3 +438,65 @@ def test_training_equals_single_device_training(name, n):
     if name == "central":  # the parameters stayed on the parameter device
         assert all(p.sharding == strategy.extended.placement.storage_sharding
                    for p in params.values())
+
+
+# -- found in review ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["nccl", "hierarchical", "one-device"])
+def test_a_mean_outside_a_step_is_divided_before_the_wire(name):
+    s = jm.MirroredStrategy(_devices(4), cross_device_ops=OPS[name]())
+    x = s.run(lambda: jnp.full((4,), 40000.0)
+              + 0 * jm.get_replica_context().replica_id_in_sync_group)
+    half = CommunicationOptions(wire_dtype="float16")
+    assert s.extended.reduce_to("mean", x, "CPU:0", options=half).tolist() == [40000.0] * 4
+    assert s.extended.batch_reduce_to("mean", [(x, "CPU:1")], options=half)[0].tolist() == [
+        40000.0] * 4
+
+
+def test_ops_shared_by_two_strategies_ask_which_one():
+    ops = jm.NcclAllReduce()
+    a = jm.MirroredStrategy(_devices(2), cross_device_ops=ops)
+    with a.scope():
+        v = jm.Variable(1.0)
+    b = jm.MirroredStrategy(_devices(8), cross_device_ops=ops)
+    with pytest.raises(ValueError, match="2 strategies use this CrossDeviceOps"):
+        ops.reduce("sum", v, "CPU:0")
+    with a.scope():
+        assert float(ops.reduce("sum", v, "CPU:0")) == 2.0
+    with b.scope():
+        ids = b.run(lambda: jm.get_replica_context().replica_id_in_sync_group)
+        assert int(ops.reduce("sum", ids, "CPU:0")) == 28
+
+
+def test_a_merge_fn_reduces_a_per_replica_value_it_closed_over():
+    s = jm.MirroredStrategy(_devices(4))
+    captured = s.run(lambda: jnp.float32(jm.get_replica_context().replica_id_in_sync_group + 1))
+    out = s.run(lambda: jm.get_replica_context().merge_call(
+        lambda strategy: strategy.reduce("sum", captured, axis=None)))
+    assert float(out) == 10.0
+
+
+@pytest.mark.parametrize("dtype,want", [(jnp.int8, jnp.int32), (jnp.uint8, jnp.uint32),
+                                        (jnp.bool_, jnp.int32), (jnp.int32, jnp.int32)])
+def test_reduce_sums_small_integers_as_jnp_sum_does(dtype, want):
+    s = jm.MirroredStrategy(_devices(4))
+    x = s.run(lambda: jnp.asarray(100, dtype) + 0 * jm.get_replica_context().replica_id_in_sync_group.astype(dtype))
+    total = s.reduce("sum", x, axis=None)
+    assert total.dtype == want and int(total) == (4 if dtype == jnp.bool_ else 400)
+
+
+@pytest.mark.parametrize("name", ["hierarchical", "one-device", "nccl-3-packs"])
+def test_a_gradient_through_any_all_reduce_stays_mirrored(name):
+    s = jm.MirroredStrategy(_devices(4), cross_device_ops=OPS[name]())
+    w = s.experimental_replicate(jnp.arange(3.0))
+
+    @s.function
+    def step(w):
+        ctx = jm.get_replica_context()
+        g = jax.grad(lambda w: jnp.sum(ctx.all_reduce("sum", w * w)))(w)
+        return w - 0.1 * g  # the same on every replica: Mirrored, no divergence warning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = step(w)
+    assert not isinstance(out, jm.PerReplica)
+    np.testing.assert_allclose(out, np.arange(3.0) * 0.2, rtol=1e-6)

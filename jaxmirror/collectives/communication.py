@@ -46,7 +46,8 @@ class CommunicationOptions:
         implementation: a ``CommunicationImplementation`` (or its name, e.g. ``"NCCL"``).
         wire_dtype: ``"bfloat16"`` or ``"float16"`` (or ``"float32"``: as they are) to send
             wider floats in; sums are accumulated in the values' own dtype, and the result
-            is rounded to ``wire_dtype`` once (a MEAN is divided first). float16 holds at
+            is rounded to ``wire_dtype`` once (``HierarchicalCopyAllReduce``: once per level;
+            a MEAN is divided first). float16 holds at
             most 65504: a sum beyond that overflows (bfloat16 has float32's range). ``None``
             (the default) sends values as they are.
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxmirror.core import _compat, context
 from jaxmirror.core import devices as devices_lib
-from jaxmirror.core.replicated import mark_replicated
+from jaxmirror.core.replicated import mark_gradient_replicated, mark_replicated
 from jaxmirror.core.reduce_op import ReduceOp, as_float, as_reduce_op
 from jaxmirror.collectives import algorithms, packing
 from jaxmirror.collectives.communication import CommunicationOptions
@@ -39,7 +39,8 @@ class CrossDeviceOps:
 
     Subclasses choose the collectives (``NcclAllReduce``, ``HierarchicalCopyAllReduce``,
     ``ReductionToOneDevice``). ``reduce``, ``batch_reduce`` and ``broadcast`` act for the
-    strategy that uses this object (the current strategy inside a ``scope()``).
+    strategy that uses this object: the current one when it does (inside its ``scope()``),
+    else the one strategy that does.
 
     Args:
         num_packs: how many packs each dtype's leaves are concatenated and cut into before
@@ -62,8 +63,9 @@ class CrossDeviceOps:
             raise ValueError(f"{type(self).__name__}: `num_packs` must be a non-negative int; "
                              f"got {num_packs!r}.")
         self.num_packs = int(num_packs)
-        self._strategy_ref = None
-        self._programs: dict = {}
+        self._strategies = weakref.WeakSet()  # the strategies using these ops
+        # placement -> {(count, bytes_per_pack, wire): program}; goes with the strategy
+        self._programs = weakref.WeakKeyDictionary()
 
     # -- the algorithm ---------------------------------------------------------------------
     def sum_buffer(self, buf, axis_name, devices: tuple, wire):
@@ -127,6 +129,8 @@ class CrossDeviceOps:
                 leaves = [x / n for x in leaves]
         else:  # one rule for every ops: booleans add up as counts, as jnp.sum counts them
             leaves = [_counted(x) for x in leaves]
+        # The gradient of a sum across replicas is a sum across replicas: replicated as well.
+        leaves = [mark_gradient_replicated(x) for x in leaves]
         sums = packing.packed_apply(
             leaves, lambda b: self.sum_buffer(b, axis_name, devices, wire),
             self.num_packs, options.bytes_per_pack, multiple_of=self.pad_multiple(n, wire))
@@ -148,8 +152,9 @@ class CrossDeviceOps:
             One array per input: the sum of its components, replicated over the replicas.
         """
         options = options or CommunicationOptions()
-        key = (placement, len(stacked), options.bytes_per_pack, options.wire_dtype)
-        program = self._programs.get(key)
+        programs = self._programs.setdefault(placement, {})
+        key = (len(stacked), options.bytes_per_pack, options.wire_dtype)
+        program = programs.get(key)
         if program is None:
             devices, axis = placement.devices, placement.axis_name
 
@@ -157,7 +162,7 @@ class CrossDeviceOps:
                 return tuple(self.all_reduce_in_program(
                     ReduceOp.SUM, [c[0] for c in components], axis, devices, options))
 
-            program = self._programs[key] = jax.jit(_compat.shard_map(
+            program = programs[key] = jax.jit(_compat.shard_map(
                 body, placement.mesh, (_compat.P(axis),) * len(stacked), _compat.P()))
         return list(program(*[placement.place_stacked(x) if _needs_placing(x, placement)
                               else x for x in stacked]))
@@ -173,18 +178,24 @@ class CrossDeviceOps:
         Raises:
             ValueError: when these ops cannot run on ``devices``.
         """
-        self._strategy_ref = weakref.ref(strategy)
+        self._strategies.add(strategy)
 
     def _strategy(self, method: str):
         current = context.current().strategy
         if getattr(current.extended, "cross_device_ops", None) is self:
             return current
-        strategy = self._strategy_ref() if self._strategy_ref is not None else None
-        if strategy is None:
+        strategies = list(self._strategies)
+        if len(strategies) == 1:
+            return strategies[0]
+        if not strategies:
             raise ValueError(f"{type(self).__name__}.{method}: no strategy uses this "
                              f"CrossDeviceOps; pass it to MirroredStrategy(devices, "
                              f"cross_device_ops=...) first.")
-        return strategy
+        raise ValueError(f"{type(self).__name__}.{method}: {len(strategies)} strategies use "
+                         f"this CrossDeviceOps, so it cannot tell whose values these are; "
+                         f"call it inside `strategy.scope()` of the one they belong to, or "
+                         f"use that strategy's extended.reduce_to / batch_reduce_to / "
+                         f"broadcast_to.")
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
         """Reduce ``per_replica_value`` across replicas and place the result at ``destinations``.

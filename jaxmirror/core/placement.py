@@ -53,7 +53,7 @@ class Placement:
     __slots__ = ("devices", "parameter_devices", "distributed_variables", "axis_name", "mesh",
                  "device_set", "num_replicas", "num_local_replicas", "replicated_sharding",
                  "mirrored_sharding", "replica_sharding", "bound_in_flight", "multi_process",
-                 "central", "storage_sharding", "_to_every_device")
+                 "central", "storage_sharding", "_to_every_device", "__weakref__")
 
     def __init__(self, devices, parameter_devices=None, distributed_variables: bool = True):
         self.devices = tuple(devices)

@@ -4,6 +4,8 @@ The analysis (``step/replication.py``) sees collectives one at a time: a reduce-
 groups, or a collective-permute, makes values vary. A hierarchical or one-device all-reduce
 composes such collectives into a result that is the same everywhere, which only its author
 knows. ``mark_replicated`` is an identity primitive (it compiles to nothing) that records it.
+Differentiated, such a sum's transpose (the same composition, transposed) ends replicated too:
+``mark_gradient_replicated``, put on the sum's inputs, marks the gradient that flows out there.
 """
 
 from __future__ import annotations
@@ -18,6 +20,34 @@ mlir.register_lowering(replicated_p, mlir.lower_fun(lambda x: x, multiple_result
 ad.deflinear2(replicated_p, lambda ct, x: [ct])
 batching.primitive_batchers[replicated_p] = lambda args, dims: (replicated_p.bind(*args),
                                                                   dims[0])
+
+
+gradient_replicated_p = jax.extend.core.Primitive("jaxmirror_gradient_replicated")
+gradient_replicated_p.def_impl(lambda x: x)
+gradient_replicated_p.def_abstract_eval(lambda x: x)
+mlir.register_lowering(gradient_replicated_p,
+                       mlir.lower_fun(lambda x: x, multiple_results=False))
+ad.deflinear2(gradient_replicated_p, lambda ct, x: [replicated_p.bind(ct)])
+batching.primitive_batchers[gradient_replicated_p] = (
+    lambda args, dims: (gradient_replicated_p.bind(*args), dims[0]))
+
+
+def mark_gradient_replicated(x):
+    """``x``, whose cotangent is marked replicated (put it on the inputs of a sum across replicas
+    whose transpose is a sum across replicas too).
+
+    Args:
+        x: an array (inside the replicas' program).
+
+    Returns:
+        ``x`` itself.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> float(jax.grad(lambda x: mark_gradient_replicated(x) * 3.0)(jnp.float32(1.0)))
+        3.0
+    """
+    return gradient_replicated_p.bind(x)
 
 
 def mark_replicated(x):

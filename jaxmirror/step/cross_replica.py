@@ -47,8 +47,11 @@ def kind(strategy, x, method: str = "reduce") -> str:
     placement = strategy.extended.placement
     if (isinstance(x, jax.Array) and not _compat.is_tracer(x) and strategy.num_replicas_in_sync > 1
             and ((x.sharding.is_fully_replicated and x.sharding.device_set == placement.device_set)
-                 or (placement.central and x.sharding == placement.storage_sharding))):
-        return MIRRORED  # central storage: one copy on the parameter device stands for all
+                 or (placement.central and x.committed
+                     and x.sharding == placement.storage_sharding))):
+        # Central storage: the copy placed on the parameter device stands for every replica's
+        # (an array merely created there, uncommitted, is a plain value).
+        return MIRRORED
     return PLAIN
 
 
@@ -166,22 +169,41 @@ def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None) -> l
     extended = strategy.extended
     plans = [_partial(strategy, op, x, axis) for x in leaves]
     out = [p[1] if p[0] == "done" else None for p in plans]
+    # A narrower wire must carry the mean, not a sum that may not fit it: divide first.
+    divide_first = op is ReduceOp.MEAN and options is not None and options.wire_dtype is not None
     for inside in (False, True):
         chosen = [i for i, p in enumerate(plans) if p[0] == "sum" and p[3] is inside]
         if not chosen:
             continue
         parts = [plans[i][1] for i in chosen]
         if op is ReduceOp.MEAN:
-            parts = [as_float(x) for x in parts]
+            parts = [as_float(x) / plans[i][2] if divide_first else as_float(x)
+                     for i, x in zip(chosen, parts)]
+        else:  # as jnp.sum: small integers and booleans add up in the default int
+            parts = [x.astype(_sum_dtype(x.dtype)) for x in parts]
         ops = extended.cross_device_ops
         if inside:
             sums = ops.all_reduce_in_program(ReduceOp.SUM, parts, extended.axis_name,
                                              extended.devices, options)
+        elif context.current().in_run:
+            # A concrete PerReplica met inside a step (a merge_fn reducing one it closed
+            # over): a constant there, summed as such, not by a program of its own.
+            sums = [x.sum(0) for x in parts]
         else:
             sums = ops.sum_components(parts, extended.placement, options)
         for i, total in zip(chosen, sums):
-            out[i] = total if op is ReduceOp.SUM else total / plans[i][2]
+            out[i] = total if op is ReduceOp.SUM or divide_first else total / plans[i][2]
     return out
+
+
+def _sum_dtype(dtype):
+    """The dtype ``jnp.sum`` gives for ``dtype``: booleans and small integers widen."""
+    if dtype == jnp.bool_:
+        return jnp.dtype(jnp.int32)
+    if jnp.issubdtype(dtype, jnp.integer) and jnp.dtype(dtype).itemsize < 4:
+        return jnp.dtype(jnp.uint32 if jnp.issubdtype(dtype, jnp.unsignedinteger)
+                         else jnp.int32)
+    return jnp.dtype(dtype)
 
 
 class _Uneven:

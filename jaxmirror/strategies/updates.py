@@ -112,6 +112,12 @@ def _check_update_args(strategy, var, fn, args, kwargs):
         raise ValueError(f"update: positional args must be a list or tuple, got {type(args)}.")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ValueError(f"update: kwargs must be a dict, got {type(kwargs)}.")
+    if var.single_copy and any(isinstance(x, (PerReplica, GatheredPerReplica)) for x in
+                               jax.tree.leaves((args, kwargs), is_leaf=is_opaque)):
+        raise ValueError(
+            f"update: {var.name!r} is stored once, on the parameter device, so it cannot take "
+            f"per-replica values (one per replica); reduce them first, e.g. "
+            f"strategy.extended.reduce_to('mean', value, destinations=var).")
 
 
 def update(strategy, var, fn, args=(), kwargs=None, group=True):

@@ -258,6 +258,10 @@ class AggregatingVariable(MirroredVariable, synchronization=Sync.ON_WRITE, centr
         <jaxmirror.Variable 'Variable:0' shape=() dtype=float32, numpy=3.0>
     """
 
+    @property
+    def single_copy(self) -> bool:
+        return True
+
     def _replica_write(self, slot, method, value):
         frame = binding.current()
         if self._aggregation is Agg.NONE and frame.num_replicas > 1:

@@ -185,6 +185,12 @@ class Variable(ArrayOperators, Identity, Stateful):
         return isinstance(self._state, PerReplica)
 
     @property
+    def single_copy(self) -> bool:
+        """Whether the variable holds one copy for all replicas (central storage), which no
+        per-replica value may be written to."""
+        return False
+
+    @property
     def always_per_replica(self) -> bool:
         """Whether the components stay one per replica even when they agree (sync-on-read)."""
         return False
