@@ -66,10 +66,8 @@ class CommunicationOptions:
 
     def __init__(self, bytes_per_pack: int = 0, timeout_seconds=None,
                  implementation=CommunicationImplementation.AUTO, wire_dtype=None):
-        if (not isinstance(bytes_per_pack, numbers.Integral) or isinstance(bytes_per_pack, bool)
-                or bytes_per_pack < 0):
-            raise ValueError(f"CommunicationOptions: `bytes_per_pack` must be a non-negative "
-                             f"int; got {bytes_per_pack!r}.")
+        bytes_per_pack = non_negative_int(bytes_per_pack, "CommunicationOptions",
+                                          "bytes_per_pack")
         if timeout_seconds is not None and (
                 isinstance(timeout_seconds, bool)
                 or not isinstance(timeout_seconds, (int, float)) or not timeout_seconds > 0):
@@ -82,7 +80,7 @@ class CommunicationOptions:
             names = ", ".join(m.name for m in CommunicationImplementation)
             raise ValueError(f"CommunicationOptions: `implementation` must be a "
                              f"CommunicationImplementation ({names}); got {given!r}.")
-        self.bytes_per_pack = int(bytes_per_pack)
+        self.bytes_per_pack = bytes_per_pack
         self.timeout_seconds = timeout_seconds
         self.implementation = implementation
         self.wire_dtype = _checked_wire_dtype(wire_dtype)
@@ -122,6 +120,26 @@ class CommunicationOptions:
                 f"implementation={self.implementation}"
                 + (f", wire_dtype={self.wire_dtype.name}" if self.wire_dtype is not None else "")
                 + ")")
+
+
+def non_negative_int(value, api: str, arg_name: str) -> int:
+    """``value`` as an int if it is a non-negative integer (numpy ones too), else ValueError.
+
+    Args:
+        value: what was given.
+        api: the API name, for the error.
+        arg_name: the argument's name, for the error.
+
+    Returns:
+        ``int(value)``.
+
+    Example:
+        >>> non_negative_int(3, "NcclAllReduce", "num_packs")
+        3
+    """
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{api}: `{arg_name}` must be a non-negative int; got {value!r}.")
+    return int(value)
 
 
 def _checked_wire_dtype(wire_dtype):

@@ -12,7 +12,6 @@ Outside a step, a sum is one cached program per strategy and options: ``jax.jit`
 
 from __future__ import annotations
 
-import numbers
 import weakref
 
 import jax
@@ -23,7 +22,7 @@ from jaxmirror.core import devices as devices_lib
 from jaxmirror.core.replicated import mark_gradient_replicated, mark_replicated
 from jaxmirror.core.reduce_op import ReduceOp, as_float, as_reduce_op
 from jaxmirror.collectives import algorithms, packing
-from jaxmirror.collectives.communication import CommunicationOptions
+from jaxmirror.collectives.communication import CommunicationOptions, non_negative_int
 
 
 def checked_options(options, method: str) -> CommunicationOptions | None:
@@ -58,11 +57,7 @@ class CrossDeviceOps:
     """
 
     def __init__(self, num_packs: int = 1):
-        if (not isinstance(num_packs, numbers.Integral) or isinstance(num_packs, bool)
-                or num_packs < 0):
-            raise ValueError(f"{type(self).__name__}: `num_packs` must be a non-negative int; "
-                             f"got {num_packs!r}.")
-        self.num_packs = int(num_packs)
+        self.num_packs = non_negative_int(num_packs, type(self).__name__, "num_packs")
         self._strategies = weakref.WeakSet()  # the strategies using these ops
         # placement -> {(count, bytes_per_pack, wire): program}; goes with the strategy
         self._programs = weakref.WeakKeyDictionary()

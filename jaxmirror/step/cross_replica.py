@@ -179,7 +179,7 @@ def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None) -> l
         if op is ReduceOp.MEAN:
             parts = [as_float(x) / plans[i][2] if divide_first else as_float(x)
                      for i, x in zip(chosen, parts)]
-        else:  # as jnp.sum: small integers and booleans add up in the default int
+        else:  # as jnp.sum: small integers add up in the default int (the ops count booleans)
             parts = [x.astype(_sum_dtype(x.dtype)) for x in parts]
         ops = extended.cross_device_ops
         if inside:
@@ -197,9 +197,7 @@ def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None) -> l
 
 
 def _sum_dtype(dtype):
-    """The dtype ``jnp.sum`` gives for ``dtype``: booleans and small integers widen."""
-    if dtype == jnp.bool_:
-        return jnp.dtype(jnp.int32)
+    """The dtype ``jnp.sum`` gives for an integer or float ``dtype``: small integers widen."""
     if jnp.issubdtype(dtype, jnp.integer) and jnp.dtype(dtype).itemsize < 4:
         return jnp.dtype(jnp.uint32 if jnp.issubdtype(dtype, jnp.unsignedinteger)
                          else jnp.int32)

@@ -42,10 +42,10 @@ def _placement(strategy, destinations):
     if isinstance(destinations, Variable):
         destinations.check_usable_in(strategy)
         state = state_of(destinations)
-        if isinstance(state, PerReplica) or (is_distributed(destinations)
-                                             and strategy.num_replicas_in_sync > 1):
-            return ext.placement.storage_sharding if not isinstance(
-                state, PerReplica) else ext.replicated_sharding  # central: the parameter device
+        if isinstance(state, PerReplica):
+            return ext.replicated_sharding
+        if is_distributed(destinations) and strategy.num_replicas_in_sync > 1:
+            return ext.placement.storage_sharding  # replicated, or the parameter device
         return state.sharding if isinstance(state, jax.Array) else None
     if isinstance(destinations, DistributedValues):
         return ext.replicated_sharding if strategy.num_replicas_in_sync > 1 else ext.devices[0]
