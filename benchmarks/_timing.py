@@ -5,8 +5,10 @@ Import it after the script has set ``XLA_FLAGS`` (it imports JAX).
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
+import platform
 import random
 import statistics
 import subprocess
@@ -190,3 +192,33 @@ def devices_and_models(ap, devices: str, model_names: str, models_table, flag: s
               f"JAX starts (this script sets {flag}).", file=sys.stderr)
         return None
     return ns, models
+
+
+def machine() -> str:
+    """The host in one line: CPU, cores, memory, load, jax, Python and JAX's devices."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        mem = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
+    except (ValueError, OSError):
+        mem = ""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{cpu}, {os.cpu_count()} cores{mem}; load average {load}; jax {jax.__version__}, "
+            f"Python {platform.python_version()}, {jax.device_count()} simulated "
+            f"{jax.default_backend()} devices")
+
+
+def append_section(path: str, title: str, command: str, header: str, body: str,
+                   seconds: float) -> None:
+    """Append a dated ``# Results: title`` section (machine, commit, command, tables) to
+    ``path`` (``benchmarks/RESULTS.md``)."""
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    with open(path, "a") as f:
+        f.write(f"\n# Results: {title} ({when})\n\n"
+                f"Machine: {machine()}. jaxmirror {checkout()}. Took {seconds:.0f} s.\n\n"
+                f"```\n{command}\n```\n\n```\n{header.rstrip()}\n```\n\n{body.rstrip()}\n")
+    print(f"# appended to {path}", file=sys.stderr)

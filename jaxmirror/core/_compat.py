@@ -16,6 +16,8 @@ from jax._src import distributed as _distributed  # nor the coordinator a proces
 from jax._src import dtypes as _dtypes  # nor registering an array-like type (see below)
 from jax._src import xla_bridge as _xla_bridge  # nor whether the backend has started
 from jax._src.interpreters import partial_eval as _pe  # nor the jaxpr-recording trace
+from jax._src.interpreters import pxla as _pxla  # nor device_put without its Python dispatch
+from jax._src.lib import xla_client as _xc
 from jax._src.lax import parallel as _parallel  # nor these collectives' primitives
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -52,6 +54,28 @@ def shard_map(fn, mesh, in_specs, out_specs):
     all-reduce of the upstream gradient, as in TF.
     """
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def put_host_arrays(arrays: list, shardings: list) -> list:
+    """``jax.device_put(arrays, shardings)`` for host NumPy arrays, without its dispatch.
+
+    ``jax.device_put`` checks and routes each value in Python before the transfer (about
+    100 µs for a two-leaf batch on 2 CPU devices, 4x the transfer itself); for NumPy arrays it
+    ends in ``shard_args``, which this calls directly: the same committed arrays, dtypes
+    canonicalized the same way. Anything else goes through ``jax.device_put``.
+
+    Args:
+        arrays: the host arrays.
+        shardings: one ``jax.sharding.Sharding`` per array.
+
+    Returns:
+        The placed ``jax.Array``s, in order.
+    """
+    if not all(type(a) is np.ndarray for a in arrays):
+        return jax.device_put(list(arrays), list(shardings))
+    n = len(arrays)
+    return _pxla.shard_args(list(shardings), [None] * n,
+                            [_xc.ArrayCopySemantics.REUSE_INPUT] * n, list(arrays))
 
 
 def forget_failed_effect_tokens() -> None:

@@ -100,11 +100,12 @@ class PerReplica(DistributedValues):
         (2,)
     """
 
-    __slots__ = ("_stacked", "_row_counts")
+    __slots__ = ("_stacked", "_row_counts", "_reduced")
 
     def __init__(self, stacked, row_counts=None):
         self._stacked = stacked
         self._row_counts = row_counts
+        self._reduced = None  # see attach_sum
 
     @property
     def stacked(self):
@@ -237,6 +238,39 @@ class Mirrored(DistributedValues):
 
     def _payload(self):
         return self._value
+
+
+def attach_sum(value: PerReplica, owner, total) -> None:
+    """Record the cross-replica sum of ``value`` that its step computed along with it.
+
+    A step's program computes ``strategy.reduce("SUM", value, axis=None)`` of its small
+    per-replica results in the same dispatch (``step/cross_replica.reductions_in_step``);
+    ``reduce`` then answers from here instead of running a program of its own. It is kept
+    off the pytree, so a ``jax.tree.map`` over ``value`` makes a value without it.
+
+    Args:
+        value: a ``PerReplica`` a step just returned.
+        owner: the ``StrategyExtended`` whose step computed it (another strategy's ``reduce``
+            does not use it).
+        total: the sum, replicated over the replicas.
+    """
+    value._reduced = (owner, total)
+
+
+def attached_sum(value, owner):
+    """The cross-replica sum of ``value`` that ``owner``'s step computed with it, or ``None``.
+
+    Args:
+        value: anything (only a ``PerReplica`` a step returned has one).
+        owner: the ``StrategyExtended`` asking.
+
+    Returns:
+        The sum, or ``None``.
+    """
+    found = value._reduced if type(value) is PerReplica else None
+    if found is None or found[0] is not owner:
+        return None
+    return found[1]
 
 
 def host_counts(row_counts) -> tuple:

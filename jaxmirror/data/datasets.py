@@ -18,7 +18,7 @@ import jax
 from jaxmirror.data import batching, sources
 from jaxmirror.data.iterators import DistributedIterator
 from jaxmirror.data.options import AutoShardPolicy, InputOptions, InputReplicationMode
-from jaxmirror.data.placer import Placer
+from jaxmirror.data.placer import HostBatch, Placer
 from jaxmirror.data.prefetch import Inline, Prefetcher
 
 _END = object()
@@ -131,15 +131,17 @@ class DistributedDataset:
         raise NotImplementedError
 
     def __iter__(self) -> DistributedIterator:
-        epoch = self._epoch()
         threaded = self._options.prefetch_thread
         if threaded is None:
             threaded = any(d.platform != "cpu" for d in self._strategy.extended.devices)
         if threaded:
-            source = Prefetcher(epoch, self._options.experimental_per_replica_buffer_size)
-        else:
-            source = Inline(epoch)
-        return DistributedIterator(self._strategy, source, self)
+            source = Prefetcher(self._epoch(), self._options.experimental_per_replica_buffer_size)
+            return DistributedIterator(self._strategy, source, self)
+        return self._inline_iterator()
+
+    def _inline_iterator(self) -> DistributedIterator:
+        """An iterator that makes each batch in ``next`` (no thread)."""
+        return DistributedIterator(self._strategy, Inline(self._epoch()), self)
 
     @property
     def element_spec(self):
@@ -236,22 +238,34 @@ class GlobalBatchDataset(DistributedDataset):
         self._factory = peeked(self._factory, self._read_first, self._what)
 
     def _epoch(self):
-        return self._batches(self._read_first(self._factory()))
+        return map(self._placer.place_batch, self._host_batches())
 
-    def _batches(self, source):
+    def _inline_iterator(self) -> DistributedIterator:
+        # Batches stay on the host until asked for: one at a time by ``next``, or several
+        # stacked into one transfer by a fused step (``DistributedIterator.take_stacked``).
+        source = Inline(self._host_batches())
+        return DistributedIterator(self._strategy, source, self, place=self._placer.place_batch,
+                                   place_stacked=self._placer.place_stacked)
+
+    def _host_batches(self):
+        """The epoch's batches split and padded on the host (``placer.HostBatch``); the first
+        is read and checked now (a bad one raises from ``iter``)."""
+        return self._split_all(self._read_first(self._factory()))
+
+    def _split_all(self, source):
         for position, element in enumerate(source):
             leaves, tree, rows = self._check(element, position)
             if rows < self._rows and self._options.drop_remainder:
                 continue
-            yield self._place(tree, leaves, rows)
+            yield self._split(tree, leaves, rows)
 
-    def _place(self, tree, leaves, rows):
+    def _split(self, tree, leaves, rows) -> HostBatch:
         if self._topology.num_replicas == 1:
-            return self._placer.place_single(tree, leaves)
+            return HostBatch(tree, leaves, None, single=True)
         size, share, index = self._plan(rows)
         padded = self._padding(index is not None)
         blocks = [batching.local_block(a, share, size, index) for a in leaves]
-        return self._placer.place(tree, blocks, share.counts if padded else None)
+        return HostBatch(tree, blocks, tuple(share.counts) if padded else None)
 
     def _plan(self, rows):
         """How a batch of ``rows`` rows is split and padded (an epoch has few distinct sizes)."""

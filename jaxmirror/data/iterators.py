@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from jaxmirror.core import context
 
 
@@ -55,10 +57,12 @@ class DistributedIterator:
         [[0], [1]]
     """
 
-    def __init__(self, strategy, prefetcher, dataset):
+    def __init__(self, strategy, prefetcher, dataset, place=None, place_stacked=None):
         self._strategy = strategy
         self._prefetcher = prefetcher
         self._dataset = dataset
+        self._place = place  # host batch -> placed element; None: the source yields placed ones
+        self._place_stacked = place_stacked
 
     def __iter__(self):
         return self
@@ -67,7 +71,34 @@ class DistributedIterator:
         if context.current().in_run:
             raise ValueError("DistributedIterator.next: called inside `run`; fetch the batch "
                              "outside and pass it to `run` as an argument.")
-        return next(self._prefetcher)
+        if self._place is None:
+            return next(self._prefetcher)
+        return self._place(next(self._prefetcher))
+
+    def take_stacked(self, k: int):
+        """Up to ``k`` next elements for a fused step (``strategy.function(...,
+        steps_per_execution=k)``), moved to the devices in one transfer where they can be.
+
+        Args:
+            k: how many elements to take.
+
+        Returns:
+            ``("stacked", element, counts)``: one nest whose ``PerReplica`` components have a
+            leading axis of the elements taken, with each leaf's ``(taken, replicas)`` row
+            counts or ``None`` (see ``Placer.place_stacked``); or ``("each", elements)``: a
+            list of elements as ``next`` gives them. Empty at the end of the data.
+        """
+        if self._place_stacked is None:
+            return ("each", list(itertools.islice(self, k)))
+        if context.current().in_run:
+            next(self)  # raises the error above
+        batches = list(itertools.islice(self._prefetcher, k))
+        if not batches:
+            return ("each", [])
+        stacked = self._place_stacked(batches)
+        if stacked is None:
+            return ("each", [self._place(b) for b in batches])
+        return ("stacked",) + stacked
 
     def get_next(self):
         """The next element: a nest of ``PerReplica`` values.

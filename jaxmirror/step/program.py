@@ -28,10 +28,12 @@ import jax.numpy as jnp
 
 from jaxmirror.core import _compat, binding, inflight
 from jaxmirror.core.stateful import Stateful
-from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
+from jaxmirror.core.values import (Mirrored, PerReplica, attach_sum, is_distributed,
+                                   is_per_replica)
 from jaxmirror.step import graphs, placing
 from jaxmirror.step.arguments import check_arguments, has_variables, take_variables
 from jaxmirror.step.call_rules import check_can_run, wants_arguments
+from jaxmirror.step.cross_replica import reducible_in_step, reductions_in_step
 from jaxmirror.step.static_binding import StaticBinding
 from jaxmirror.step.trace import Traced, emit, local_key, run_op_by_op, trace_replica
 from jaxmirror.variables import state
@@ -69,6 +71,9 @@ class Program:
         self._track = strategy.extended.placement.bound_in_flight
         self._single = strategy.extended.placement.num_replicas == 1  # often done at return
         self._central = strategy.extended.placement.central  # see _central_call
+        # Small per-replica results are summed in the program too, for strategy.reduce.
+        self._reductions = None if self._single else (
+            reducible_in_step, functools.partial(reductions_in_step, strategy))
         self._donate_argnums = tuple(donate_argnums)
         # None, or how every call goes from now on: with variable or NNX-object arguments
         self._mode = None
@@ -101,11 +106,12 @@ class Program:
                     raise self._transformed_error()
                 with state.lock:  # read, dispatch, write back: one update at a time
                     state.poll()  # first: a step seen to have failed is rolled back
-                    out, token = self._dispatch(self._captured_key, captured, args, kwargs)
+                    out, token, reduced = self._dispatch(self._captured_key, captured, args,
+                                                         kwargs)
             elif self._central:
-                out, token, _ = self._central_call(None, (), args, kwargs)
-            else:
-                out, token, _ = self._jitted(None, (), *args, **kwargs)  # no variables, no writes
+                out, token, _, reduced = self._central_call(None, (), args, kwargs)
+            else:  # no variables, no writes
+                out, token, _, reduced = self._jitted(None, (), *args, **kwargs)
         except binding.Discovered as found:  # the step reads variables by closure
             self._capture(found.variables)
             return self(*args, **kwargs)
@@ -121,7 +127,7 @@ class Program:
                 raise
             self._mode = Program._call_with_variable_args
             return self._call_with_variable_args(args, kwargs)
-        return self._finish(out, token)
+        return self._finish(out, token, reduced)
 
     def _call_with_variable_args(self, args, kwargs):
         """A call whose arguments may hold variables: they go in as their arrays."""
@@ -136,7 +142,7 @@ class Program:
                     raise self._transformed_error()
                 if key[1] and self._donate_argnums:
                     self._check_not_donating_variables(args)
-                out, token = self._dispatch(bound, variables, a, k)
+                out, token, reduced = self._dispatch(bound, variables, a, k)
         except binding.Discovered as found:
             self._capture(found.variables)
             return self._call_with_variable_args(args, kwargs)
@@ -149,7 +155,7 @@ class Program:
             if moved is None:
                 raise
             return self._call_with_variable_args(*moved)
-        return self._finish(out, token)
+        return self._finish(out, token, reduced)
 
     def _mirrored_arguments(self, args, kwargs, err):
         """``(args, kwargs)`` with arrays on other devices mirrored (as TF does), or ``None``
@@ -202,12 +208,12 @@ class Program:
         writes to ``variables`` (passed ones first, then captured) stored open."""
         states = tuple(map(state_of, self._captured))
         if self._central:
-            out, token, writes = self._central_call(bound, states, args, kwargs)
+            out, token, writes, reduced = self._central_call(bound, states, args, kwargs)
         else:
-            out, token, writes = self._jitted(bound, states, *args, **kwargs)
+            out, token, writes, reduced = self._jitted(bound, states, *args, **kwargs)
         if writes:
             state.write_open(variables, writes, out is not None, self._single)
-        return out, token
+        return out, token, reduced
 
     def lower(self, *args, **kwargs):
         """The program for these arguments, lowered and not run (``jax.stages.Lowered``).
@@ -236,13 +242,22 @@ class Program:
         replicas, and its mirrored results (new parameters, variables' values) go back there."""
         placement = self._strategy.extended.placement
         states, args, kwargs = placement.to_compute((states, args, kwargs))
-        out, token, writes = self._jitted(bound, states, *args, **kwargs)
-        return placement.to_storage(out), token, placement.to_storage(writes)
+        out, token, writes, reduced = self._jitted(bound, states, *args, **kwargs)
+        return placement.to_storage(out), token, placement.to_storage(writes), reduced
 
-    def _finish(self, out, token):
-        """The call was dispatched: it counts against the in-flight bound."""
+    def _finish(self, out, token, reduced):
+        """The call was dispatched: it counts against the in-flight bound, and its small
+        per-replica results get the sums it computed (``reductions_in_step``)."""
         if self._track:
             inflight.track_array(token if token is not None else self._handle(out))
+        if reduced is not None:
+            owner = self._strategy.extended
+            if type(out) is PerReplica:
+                attach_sum(out, owner, reduced[0])
+            else:
+                for value, total in zip(jax.tree.leaves(out, is_leaf=is_per_replica), reduced):
+                    if total is not None:
+                        attach_sum(value, owner, total)
         return out
 
     def _donated_argument_holding(self, args, predicate):
@@ -333,17 +348,19 @@ class Program:
         if op_by_op:
             with jax.disable_jit():
                 run_op_by_op(traced, flat, stacked, self._strategy.extended.placement)
-            return None, None, {}  # no NaN op by op: JAX raises its own error about that
+            return None, None, {}, None  # no NaN op by op: JAX raises its own error about that
         self._handle_path = traced.handle_path
         self._counter.compile_count += 1  # a trace that got here is compiled (not abandoned)
         self._effects = self._effects or bool(traced.jaxpr.effects)
-        outs = emit(traced, flat, stacked, self._strategy.extended.placement, len(counts))
+        outs, reduced = emit(traced, flat, stacked, self._strategy.extended.placement,
+                             len(counts), self._reductions)
         n_out = len(outs) - len(traced.written)
         results, new_states = outs[:n_out], outs[n_out:]
         # A step with no outputs still queues collectives: give the in-flight bound a handle.
         token = None if results else jnp.zeros((), jnp.int32)
         return (jax.tree.unflatten(traced.out_tree, results), token,
-                dict(zip(traced.written, new_states)))
+                dict(zip(traced.written, new_states)),
+                reduced[:n_out] if any(r is not None for r in reduced) else None)
 
     def _traced_for(self, in_tree, n_args, local, bound, padded) -> Traced:
         """The user's function traced for this per-replica signature (once per signature).

@@ -267,7 +267,8 @@ def run_op_by_op(traced: Traced, flat: list, stacked: tuple, placement) -> list:
                     axis_size=placement.num_replicas)(*operands)
 
 
-def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int) -> list:
+def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int,
+         reductions=None) -> tuple:
     """The traced body under ``shard_map`` with the inputs' real placement.
 
     Args:
@@ -277,10 +278,14 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int) -
         stacked: per flat input, whether it is replica-stacked.
         placement: the strategy's ``Placement``.
         n_counts: how many row-count inputs end ``flat``.
+        reductions: ``None``, or ``(wanted, reduce)``: ``wanted(aval)`` says whether a
+            per-replica output (not a batch's rows) is summed over the replicas in the
+            program too, and ``reduce(components)`` gives each one's sum there.
 
     Returns:
-        The outputs: replicated arrays for Mirrored ones, ``PerReplica`` for the others (with
-        row counts for those holding a padded batch's rows).
+        ``(outputs, reduced)``: the outputs, replicated arrays for Mirrored ones,
+        ``PerReplica`` for the others (with row counts for those holding a padded batch's
+        rows); ``reduced`` has one entry per output, ``None`` or its sum.
     """
     (eqn,) = traced.jaxpr.jaxpr.eqns  # the shard_map, fed by consts and our flat inputs
     env = dict(zip(traced.jaxpr.jaxpr.constvars, traced.jaxpr.consts))
@@ -299,18 +304,29 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int) -
     else:
         out_varying = [False] * len(inner.outvars)
     body = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(inner, ()))
+    n_out = len(out_varying)
+    n_results = n_out - len(traced.written)  # the variables' new arrays follow the results
+    wanted = [] if reductions is None else [
+        i for i, (vary, source, var) in enumerate(zip(out_varying[:n_results],
+                                                      traced.row_source, inner.outvars))
+        if vary and source is None and reductions[0](var.aval)]
 
     def per_replica(*ops):
         ops = [o.reshape(o.shape[1:]) if s else o for o, s in zip(ops, op_stacked)]
         outs = body(*ops)
-        return [o[None] if vary else o for o, vary in zip(outs, out_varying)]
+        sums = reductions[1]([outs[i] for i in wanted]) if wanted else []
+        return [o[None] if vary else o for o, vary in zip(outs, out_varying)] + list(sums)
 
     axis = placement.axis_name
     in_specs = tuple(P(axis) if s else P() for s in op_stacked)
-    out_specs = [P(axis) if vary else P() for vary in out_varying]
+    out_specs = [P(axis) if vary else P() for vary in out_varying] + [P()] * len(wanted)
     outs = _compat.shard_map(per_replica, placement.mesh, in_specs, out_specs)(*operands)
     # A per-replica result computed row by row from a padded batch (rows.py) shows only the
     # real rows, as TF's would: it carries that batch's row counts back out.
     counts_in = flat[len(flat) - n_counts:]
-    return [PerReplica(o, None if source is None else counts_in[source]) if vary else o
-            for o, vary, source in zip(outs, out_varying, traced.row_source)]
+    results = [PerReplica(o, None if source is None else counts_in[source]) if vary else o
+               for o, vary, source in zip(outs, out_varying, traced.row_source)]
+    reduced = [None] * n_out
+    for j, i in enumerate(wanted):
+        reduced[i] = outs[n_out + j]
+    return results, reduced

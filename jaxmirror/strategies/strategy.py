@@ -11,6 +11,7 @@ from jaxmirror.core import _compat, context, inflight
 from jaxmirror.step import cross_replica
 from jaxmirror.step.program import Program
 from jaxmirror.step.step_function import Step
+from jaxmirror.step.fused import FusedStep
 from jaxmirror.step.program_cache import ProgramCache
 from jaxmirror.step.run_options import RunOptions
 from jaxmirror.strategies.extended import StrategyExtended
@@ -156,7 +157,7 @@ class Strategy(InputMethods):
             args = ()
         return program(*args, **(kwargs or {}))
 
-    def function(self, fn=None, *, donate_argnums=()):
+    def function(self, fn=None, *, donate_argnums=(), steps_per_execution=None):
         """Compile ``fn`` into a step that runs it on every replica when called.
 
         The step shares ``run``'s compiled-program cache: ``step(*args)`` and
@@ -170,9 +171,13 @@ class Strategy(InputMethods):
         Args:
             fn: the per-replica function; omitted, ``function`` returns a decorator.
             donate_argnums: positional arguments whose buffers the outputs may reuse.
+            steps_per_execution: ``None``, or an int K: the step is called as
+                ``step(iterator, *args)`` and runs ``fn(element, *args)`` on the next K
+                elements of ``iterator`` in one compiled program, results stacked along a new
+                leading axis (see ``FusedStep``; Keras's ``steps_per_execution``).
 
         Returns:
-            The step callable.
+            The step callable (a ``FusedStep`` with ``steps_per_execution``).
 
         Example:
             >>> import jax.numpy as jnp, jaxmirror
@@ -182,9 +187,15 @@ class Strategy(InputMethods):
             2
         """
         options = RunOptions(donate_argnums=donate_argnums)
-        if fn is None:
-            return lambda f: Step(self._program(f, options), f)
-        return Step(self._program(fn, options), fn)
+        if steps_per_execution is not None:
+            def make(f):
+                return FusedStep(self, f, steps_per_execution,
+                                 lambda g, donated: self._program(g, RunOptions(donated)),
+                                 options.donate_argnums)
+        else:
+            def make(f):
+                return Step(self._program(f, options), f)
+        return make if fn is None else make(fn)
 
     # -- cross-replica ------------------------------------------------------------------------
     def reduce(self, reduce_op, value, axis=None):

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Fused steps (``strategy.function(fn, steps_per_execution=K)``) against one dispatch per step.
+
+Both loops are TF's custom-training loop on jaxmirror (``tf_loop.py``'s tiny model: MLP
+32 -> 64 -> 10, global batch 256, SGD written by hand on ``jaxmirror.Variable``s captured by
+closure, gradients all-reduced in the step), over ``experimental_distribute_dataset`` of 16
+host batches cycled:
+
+  (single) per step ``loss = train_step(next(iterator))``,
+           ``total += float(strategy.reduce("SUM", loss, axis=None))``;
+  (fused)  per K steps ``losses = train_steps(iterator)`` (``steps_per_execution=K``: the K
+           batches stacked on the host, moved in one transfer, the K steps in one program),
+           ``total += float(strategy.reduce("SUM", losses, axis=None).sum())``.
+
+Method, per N (replicas on the first N of 8 simulated CPU devices) and K: both loops start
+from the same params; the first 2K steps' losses must be equal bit for bit (then each K more in
+every round); then rounds (``--rounds``) that time ``--steps`` steps of each loop (a multiple of
+K), alternating which goes first, GC off. The table gives the per-step medians over rounds and
+the ratio single/fused within a round: median [min-max]. At the end the variables of both loops
+must be equal bit for bit (same batches, same order) and no step may have compiled again.
+
+Run from the repository root:
+    .venv/bin/python benchmarks/fused_steps.py                  # N = 1, 2, 4, 8; K = 10, 50
+    .venv/bin/python benchmarks/fused_steps.py --quick          # a smoke run, noisy
+"""
+
+from __future__ import annotations
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse, gc, itertools, platform, statistics, sys, time  # noqa: E401,E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxmirror  # noqa: E402
+from _timing import checkout, spread  # noqa: E402  (shared)
+from tf_loop import LR, MODELS, host_data, replica_loss  # noqa: E402
+
+GLOBAL_BATCH = MODELS["tiny"][0]
+
+
+def make_loop(devices, params, batches, k: int | None):
+    """The loop on a fresh strategy: ``loop(steps)`` runs them, returns the summed loss."""
+    strategy = jaxmirror.MirroredStrategy(devices)
+    with strategy.scope():
+        variables = {name: jaxmirror.Variable(v, name=name) for name, v in params.items()}
+
+    def step_fn(batch):
+        x, y = batch
+        values = {name: v.read_value() for name, v in variables.items()}
+        loss, grads = jax.value_and_grad(replica_loss)(values, x, y, GLOBAL_BATCH)
+        grads = jaxmirror.get_replica_context().all_reduce("SUM", grads)
+        for name, v in variables.items():
+            v.assign(values[name] - LR * grads[name])
+        return loss
+
+    iterator = iter(strategy.experimental_distribute_dataset(lambda: itertools.cycle(batches)))
+    if k is None:
+        step = strategy.function(step_fn)
+
+        def loop(steps: int) -> list:
+            return [float(strategy.reduce("SUM", step(next(iterator)), axis=None))
+                    for _ in range(steps)]
+    else:
+        step = strategy.function(step_fn, steps_per_execution=k)
+
+        def loop(steps: int) -> list:
+            assert steps % k == 0
+            out = []
+            for _ in range(steps // k):
+                out += np.asarray(strategy.reduce("SUM", step(iterator), axis=None)).tolist()
+            return out
+
+    loop.params = lambda: {name: np.asarray(v.numpy()) for name, v in variables.items()}
+    loop.counts = lambda: (step.trace_count, step.compile_count)
+    return loop
+
+
+def bench(n: int, k: int, args) -> dict:
+    params, batches = host_data("tiny")
+    devices = jax.devices()[:n]
+    single, fused = make_loop(devices, params, batches, None), make_loop(devices, params,
+                                                                          batches, k)
+    first = single(2 * k), fused(2 * k)
+    assert first[0] == first[1], f"N={n} K={k}: fused losses differ from single steps'"
+    counts = single.counts(), fused.counts()
+    steps = max(k, args.steps // k * k)
+    times = {"single": [], "fused": []}
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(args.rounds):
+            for name in (("single", "fused") if r % 2 == 0 else ("fused", "single")):
+                loop = single if name == "single" else fused
+                t0 = time.perf_counter()
+                loop(steps)
+                times[name].append((time.perf_counter() - t0) / steps)
+    finally:
+        gc.enable()
+    a, b = single.params(), fused.params()
+    for name in a:
+        assert np.array_equal(a[name], b[name]), f"N={n} K={k}: params {name} differ"
+    assert (single.counts(), fused.counts()) == counts, f"N={n} K={k}: compiled again"
+    return {"n": n, "k": k, "steps": steps, "times": times,
+            "ratio": [s / f for s, f in zip(times["single"], times["fused"])],
+            "counts": counts}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--devices", default="1,2,4,8", help="replica counts, comma-separated")
+    ap.add_argument("--k", default="10,50", help="steps per execution, comma-separated")
+    ap.add_argument("--rounds", type=int, default=6, help="timed rounds (even)")
+    ap.add_argument("--steps", type=int, default=200, help="steps per round per loop")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 100 steps; noisy")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 2, 100
+    ns = [int(s) for s in args.devices.split(",")]
+    ks = [int(s) for s in args.k.split(",")]
+    command = " ".join([os.path.basename(sys.executable)] + sys.argv)
+    print(f"# fused steps vs one dispatch per step: {jax.device_count()} simulated "
+          f"{jax.default_backend()} devices, {os.cpu_count()} host cores, jax {jax.__version__}, "
+          f"Python {platform.python_version()}")
+    print(f"# command: {command}")
+    print(f"# jaxmirror: {jaxmirror.__file__} ({checkout()})")
+    print(f"# tiny MLP {' -> '.join(map(str, MODELS['tiny'][1]))}, global batch {GLOBAL_BATCH}; "
+          f"{args.rounds} rounds, order alternating")
+    print()
+    results, t_start = [], time.perf_counter()
+    for n in ns:
+        for k in ks:
+            t0 = time.perf_counter()
+            results.append(bench(n, k, args))
+            print(f"  done N={n} K={k} in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
+                  flush=True)
+    print("| N | K | steps × rounds | one dispatch per step µs/step | fused µs/step "
+          "| speed-up single/fused | losses and params |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        med = {name: statistics.median(v) * 1e6 for name, v in r["times"].items()}
+        print(f"| {r['n']} | {r['k']} | {r['steps']} × {args.rounds} | {med['single']:.1f} "
+              f"| {med['fused']:.1f} | {spread(r['ratio'])} | equal bit for bit |")
+    print()
+    print(f"# total {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
