@@ -21,14 +21,28 @@ demo: install
 test: install
 	$(PY) -m pytest -q tests
 
-bench: install
-	$(PY) benchmarks/step_overhead.py
-	$(PY) benchmarks/variables.py
-	$(PY) benchmarks/input_pipeline.py
+# TensorFlow (the `bench` extra) only for benchmarks/vs_tensorflow.py; tests never need it.
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+# Every benchmark, in under 10 minutes on a 2-core machine (each script's defaults run longer;
+# benchmarks/README.md says how long and what they add).
+bench: install $(BENCH_STAMP)
 	$(PY) benchmarks/tf_loop.py
-	$(PY) benchmarks/nnx_step.py
-	$(PY) benchmarks/multi_worker.py
-	$(PY) benchmarks/cross_device_ops.py
+	$(PY) benchmarks/tf_loop.py --model wide --rounds 4
+	$(PY) benchmarks/fused_steps.py
+	$(PY) benchmarks/vs_tensorflow.py
+	$(PY) benchmarks/leaf_overhead.py
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/multi_worker.py --rounds 2 --steps 20
+	$(PY) benchmarks/step_overhead.py --quick
+	$(PY) benchmarks/variables.py --quick
+	$(PY) benchmarks/input_pipeline.py --quick
+	$(PY) benchmarks/nnx_step.py --quick
+	$(PY) benchmarks/cross_device_ops.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
