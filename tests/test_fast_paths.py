@@ -289,7 +289,8 @@ def test_fused_steps_pass_other_arguments_to_every_step_and_donate():
     steps = s.function(step, steps_per_execution=2, donate_argnums=(2,))
     it = iter(s.experimental_distribute_dataset([np.ones(4)] * 4))
     extra = s.experimental_replicate(jnp.zeros(3))
-    out = steps(it, 2.0, extra)
+    with pytest.warns(UserWarning, match="returns a value shaped as its argument 2"):
+        out = steps(it, 2.0, extra)
     assert out.shape == (2, 3) and np.asarray(out).tolist() == [[1.0] * 3] * 2
     assert float(total.numpy()) == 16.0
     out = steps(it, scale=jnp.float32(0.5), extra=s.experimental_replicate(jnp.ones(3)))
@@ -307,10 +308,29 @@ def test_fused_steps_refuse_bad_arguments():
     steps = s.function(lambda x: x, steps_per_execution=2)
     with pytest.raises(TypeError, match="takes an iterator as its first argument"):
         steps(np.ones(4))
-    with pytest.raises(ValueError, match="element 1 differs from element 0"):
-        steps(iter([np.ones(4), np.ones(5)]))
+    with pytest.raises(ValueError, match=r"results differ in shape \(\[\(1, 4\), \(1, 5\)\]"):
+        steps(iter([np.ones(4), np.ones(5)]))  # runs both; per-row results cannot be stacked
     with pytest.raises(StopIteration, match="exhausted"):
         steps(iter([]))
+    with pytest.raises(ValueError, match="`carry_argnums` is for fused steps"):
+        s.function(lambda x: x, carry_argnums=(1,))
+    assert s.function(lambda x: x, steps_per_execution=np.int64(2)).steps_per_execution == 2
+
+
+def test_fused_steps_run_elements_of_different_shapes_as_consecutive_programs():
+    data = _data((12, 12, 12, 12, 12, 7))  # one replica: the last batch is shorter
+    losses, _, final = _single_run(1, data)
+    s = jm.MirroredStrategy(_devices(1))
+    variables, fn = _training(s)
+    steps = s.function(fn, steps_per_execution=4)
+    it = iter(s.experimental_distribute_dataset(data))
+    got = list(np.asarray(s.reduce("SUM", steps(it)[0], axis=None)))
+    loss, real = steps(it)  # 12 and 7 rows: two programs, results joined
+    assert real.tolist() == [12, 7]
+    got += list(np.asarray(s.reduce("SUM", loss, axis=None)))
+    assert _bits(got) == _bits(losses)
+    for v, want in zip(variables, final):
+        assert _bits(v.numpy()) == _bits(want)
 
 
 def test_a_failed_fused_step_leaves_variables_unchanged():
@@ -412,3 +432,168 @@ def test_fused_steps_carry_nnx_models_and_optimizers_as_single_steps_do(n):
         leaves = zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)))
         for x, y in leaves:
             np.testing.assert_allclose(_key_free(y), _key_free(x), rtol=1e-6, atol=1e-8)
+
+
+# -- what the review and the new-user trial found --------------------------------------------
+def test_many_small_results_are_summed_by_one_collective_per_dtype():
+    s = jm.MirroredStrategy(_devices(4))
+
+    @s.function
+    def step(x):
+        i = jnp.float32(jm.get_replica_context().replica_id_in_sync_group)
+        metrics = {f"m{j}": x.sum() * j + i for j in range(50)}
+        metrics["half"] = (x[:2] * i).astype(jnp.bfloat16)
+        return metrics
+
+    x = s.experimental_replicate(jnp.ones(3))
+    hlo = step.lower(x).compile().as_text()
+    all_reduces = [line for line in hlo.splitlines() if " all-reduce(" in line
+                   or "all-reduce-start(" in line]
+    # One float32 buffer of the 50, one bfloat16 (XLA on CPU may merge the two).
+    assert len(all_reduces) <= 2 and "f32[50]" in "".join(all_reduces), all_reduces
+    out = step(x)
+    sums = s.reduce("SUM", out, axis=None)
+    assert [float(sums[f"m{j}"]) for j in (0, 1, 49)] == [6.0, 18.0, 594.0]
+    assert sums["half"].tolist() == [6.0, 6.0]
+
+
+def test_the_new_state_of_nnx_objects_is_not_summed():
+    from flax import nnx
+
+    s = jm.MirroredStrategy(_devices(2))
+    model = nnx.BatchNorm(3, rngs=nnx.Rngs(0))  # its statistics differ per replica
+
+    @s.function
+    def step(m, x):
+        return m(x).sum()
+
+    batch = next(iter(s.experimental_distribute_dataset([np.arange(12.0).reshape(4, 3)])))
+    loss = step(model, batch)
+    assert attached_sum(loss, s.extended) is not None
+    mean = nnx.state(model)["mean"].get_value()
+    assert isinstance(mean, jm.PerReplica) and attached_sum(mean, s.extended) is None
+
+
+def test_reduce_of_a_result_after_its_sum_was_donated_reduces_the_components():
+    s = jm.MirroredStrategy(_devices(2))
+    loss = s.run(lambda: jnp.float32(jm.get_replica_context().replica_id_in_sync_group + 1))
+    first = s.reduce("SUM", loss, axis=None)
+    s.function(lambda t: t * 2, donate_argnums=0)(first)  # gives the sum's buffer away
+    assert first.is_deleted()
+    assert float(s.reduce("SUM", loss, axis=None)) == 3.0
+
+
+def test_results_pickle_and_copy_without_their_sum_or_strategy():
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    s = jm.MirroredStrategy(_devices(2))
+    loss = s.run(lambda: jnp.float32(jm.get_replica_context().replica_id_in_sync_group + 1))
+    for again in (pickle.loads(pickle.dumps(loss)), copy.deepcopy(loss)):
+        assert isinstance(again, jm.PerReplica) and attached_sum(again, s.extended) is None
+        assert float(s.reduce("SUM", again, axis=None)) == 3.0
+    ref = weakref.ref(s)
+    del s
+    gc.collect()
+    assert ref() is None, "a step's result kept its strategy alive"
+    assert float(np.asarray(loss.stacked).sum()) == 3.0
+
+
+def test_debug_nans_and_infs_see_no_sum_nobody_asked_for():
+    s = jm.MirroredStrategy(_devices(8))
+
+    @s.function
+    def step(x):
+        return (x * 20000.0).astype(jnp.float16)  # 8 x 20000 overflows float16
+
+    with jax.debug_infs(True):
+        out = step(s.experimental_replicate(jnp.float32(1.0)))
+        assert [float(c) for c in local(s, out)] == [20000.0] * 8
+    assert attached_sum(out, s.extended) is None
+
+
+def test_next_works_under_a_transfer_guard():
+    s = jm.MirroredStrategy(_devices(2))
+    it = iter(s.experimental_distribute_dataset([np.ones((4, 3), np.float32)] * 2))
+    with jax.transfer_guard("disallow"):
+        batch = next(it)
+    assert batch.stacked.shape == (2, 2, 3)
+    with jax.transfer_guard("disallow_explicit"):  # as jax.device_put, which it stands for
+        with pytest.raises(Exception, match="host-to-device"):
+            next(it)
+
+
+def test_fused_steps_carry_arguments_named_in_carry_argnums():
+    import optax
+
+    tx = optax.adam(0.05)
+    rng = np.random.default_rng(2)
+    data = [(rng.standard_normal((8, 5)).astype(np.float32),
+             rng.standard_normal((8, 3)).astype(np.float32)) for _ in range(5)]
+    params0 = {"w": rng.standard_normal((5, 3)).astype(np.float32), "b": np.zeros(3, np.float32)}
+
+    def step(batch, params, opt_state):
+        x, y = batch
+
+        def loss_fn(p):
+            return jm.compute_average_loss(((x @ p["w"] + p["b"] - y) ** 2).sum(-1),
+                                           global_batch_size=8)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        grads = jm.get_replica_context().all_reduce("SUM", grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    s = jm.MirroredStrategy(_devices(2))
+    params, opt_state = s.init(lambda: (params0, tx.init(params0)))
+    single = s.function(step)
+    want = []
+    for batch in s.experimental_distribute_dataset(data):
+        params, opt_state, loss = single(batch, params, opt_state)
+        want.append(float(s.reduce("SUM", loss, axis=None)))
+    p, o = s.init(lambda: (params0, tx.init(params0)))
+    steps = s.function(step, steps_per_execution=3, carry_argnums=(1, 2), donate_argnums=(1, 2))
+    it = iter(s.experimental_distribute_dataset(data))
+    got = []
+    for _ in range(2):
+        old = p["w"]
+        p, o, losses = steps(it, p, o)
+        assert old.is_deleted()  # donated, and carried: the buffer was reused
+        got += list(np.asarray(s.reduce("SUM", losses, axis=None)))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(p[k]), np.asarray(params[k]), rtol=1e-6,
+                                   atol=1e-7)
+    with pytest.raises(ValueError, match="result 0 must be argument 1 updated"):
+        bad = s.function(lambda b, q: (q["w"], b[0].sum()), steps_per_execution=2,
+                         carry_argnums=(1,))
+        bad(iter(s.experimental_distribute_dataset(data)), params0)
+
+
+def test_fused_steps_with_the_split_nnx_state_pattern_and_a_buffer_refilling_source():
+    from flax import nnx
+
+    s = jm.MirroredStrategy(_devices(2))
+    graphdef, state = nnx.split(s.init(lambda: nnx.Linear(3, 1, rngs=nnx.Rngs(0))))
+
+    def step(x, state):
+        model = nnx.merge(graphdef, state)
+        return jm.compute_average_loss(model(x)[:, 0] ** 2, global_batch_size=4)
+
+    buffer = np.zeros((4, 3), np.float32)
+
+    def refilled():  # a loader that reuses one buffer for every batch
+        for i in range(4):
+            buffer[...] = i
+            yield buffer
+
+    single = s.function(step)
+    want = [float(s.reduce("SUM", single(b, state), axis=None))
+            for b in s.experimental_distribute_dataset(refilled)]
+    steps = s.function(step, steps_per_execution=4)
+    got = s.reduce("SUM", steps(iter(s.experimental_distribute_dataset(refilled)), state),
+                   axis=None)
+    assert _bits(np.asarray(got)) == _bits(np.float32(want))
+    assert len(set(want)) == 4

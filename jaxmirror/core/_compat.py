@@ -16,8 +16,9 @@ from jax._src import distributed as _distributed  # nor the coordinator a proces
 from jax._src import dtypes as _dtypes  # nor registering an array-like type (see below)
 from jax._src import xla_bridge as _xla_bridge  # nor whether the backend has started
 from jax._src.interpreters import partial_eval as _pe  # nor the jaxpr-recording trace
+from jax._src import config as _config  # nor marking a transfer explicit (as device_put)
 from jax._src.interpreters import pxla as _pxla  # nor device_put without its Python dispatch
-from jax._src.lib import xla_client as _xc
+from jax._src.lib import xla_client as _xc  # nor its copy semantics
 from jax._src.lax import parallel as _parallel  # nor these collectives' primitives
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -56,6 +57,10 @@ def shard_map(fn, mesh, in_specs, out_specs):
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+# The public spelling (no jax._src): named here so that version changes have one place.
+optimization_barrier = jax.lax.optimization_barrier
+
+
 def put_host_arrays(arrays: list, shardings: list) -> list:
     """``jax.device_put(arrays, shardings)`` for host NumPy arrays, without its dispatch.
 
@@ -74,8 +79,9 @@ def put_host_arrays(arrays: list, shardings: list) -> list:
     if not all(type(a) is np.ndarray for a in arrays):
         return jax.device_put(list(arrays), list(shardings))
     n = len(arrays)
-    return _pxla.shard_args(list(shardings), [None] * n,
-                            [_xc.ArrayCopySemantics.REUSE_INPUT] * n, list(arrays))
+    with _config.explicit_device_put_scope():  # as device_put: transfer guards see it so
+        return _pxla.shard_args(list(shardings), [None] * n,
+                                [_xc.ArrayCopySemantics.REUSE_INPUT] * n, list(arrays))
 
 
 def forget_failed_effect_tokens() -> None:

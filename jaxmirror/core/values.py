@@ -105,7 +105,11 @@ class PerReplica(DistributedValues):
     def __init__(self, stacked, row_counts=None):
         self._stacked = stacked
         self._row_counts = row_counts
-        self._reduced = None  # see attach_sum
+        self._reduced = None  # a step's sum over the replicas (see attach_sum)
+
+    def __reduce__(self):
+        # Pickled and copied without a step's sum (see attach_sum): it names its strategy.
+        return (PerReplica, (self._stacked, self._row_counts))
 
     @property
     def stacked(self):
@@ -243,16 +247,24 @@ class Mirrored(DistributedValues):
 def attach_sum(value: PerReplica, owner, total) -> None:
     """Record the cross-replica sum of ``value`` that its step computed along with it.
 
-    A step's program computes ``strategy.reduce("SUM", value, axis=None)`` of its small
-    per-replica results in the same dispatch (``step/cross_replica.reductions_in_step``);
-    ``reduce`` then answers from here instead of running a program of its own. It is kept
-    off the pytree, so a ``jax.tree.map`` over ``value`` makes a value without it.
+    A step's program sums its small per-replica results in the same dispatch
+    (``step/step_sums.py``); ``reduce`` then answers from here instead of running a program of
+    its own. The sum is kept off the pytree (a ``jax.tree.map`` over ``value`` makes a value
+    without it), out of pickles and copies, and names its strategy only weakly.
 
     Args:
         value: a ``PerReplica`` a step just returned.
-        owner: the ``StrategyExtended`` whose step computed it (another strategy's ``reduce``
-            does not use it).
+        owner: a weak reference to the ``StrategyExtended`` whose step computed it (another
+            strategy's ``reduce`` does not use it).
         total: the sum, replicated over the replicas.
+
+    Example:
+        >>> import weakref, jax.numpy as jnp
+        >>> class Owner: pass
+        >>> o, v = Owner(), PerReplica(jnp.arange(2.0))
+        >>> attach_sum(v, weakref.ref(o), jnp.float32(1.0))
+        >>> float(attached_sum(v, o)), attached_sum(v, Owner())
+        (1.0, None)
     """
     value._reduced = (owner, total)
 
@@ -268,7 +280,7 @@ def attached_sum(value, owner):
         The sum, or ``None``.
     """
     found = value._reduced if type(value) is PerReplica else None
-    if found is None or found[0] is not owner:
+    if found is None or found[0]() is not owner:
         return None
     return found[1]
 

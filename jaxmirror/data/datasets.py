@@ -245,7 +245,7 @@ class GlobalBatchDataset(DistributedDataset):
         # stacked into one transfer by a fused step (``DistributedIterator.take_stacked``).
         source = Inline(self._host_batches())
         return DistributedIterator(self._strategy, source, self, place=self._placer.place_batch,
-                                   place_stacked=self._placer.place_stacked)
+                                   stack=self._placer.stack)
 
     def _host_batches(self):
         """The epoch's batches split and padded on the host (``placer.HostBatch``); the first

@@ -57,12 +57,12 @@ class DistributedIterator:
         [[0], [1]]
     """
 
-    def __init__(self, strategy, prefetcher, dataset, place=None, place_stacked=None):
+    def __init__(self, strategy, prefetcher, dataset, place=None, stack=None):
         self._strategy = strategy
         self._prefetcher = prefetcher
         self._dataset = dataset
         self._place = place  # host batch -> placed element; None: the source yields placed ones
-        self._place_stacked = place_stacked
+        self._stack = stack  # (first host batch, k) -> a HostStack or None (see take_stacked)
 
     def __iter__(self):
         return self
@@ -75,7 +75,7 @@ class DistributedIterator:
             return next(self._prefetcher)
         return self._place(next(self._prefetcher))
 
-    def take_stacked(self, k: int):
+    def take_stacked(self, k: int) -> list:
         """Up to ``k`` next elements for a fused step (``strategy.function(...,
         steps_per_execution=k)``), moved to the devices in one transfer where they can be.
 
@@ -83,22 +83,28 @@ class DistributedIterator:
             k: how many elements to take.
 
         Returns:
-            ``("stacked", element, counts)``: one nest whose ``PerReplica`` components have a
-            leading axis of the elements taken, with each leaf's ``(taken, replicas)`` row
-            counts or ``None`` (see ``Placer.place_stacked``); or ``("each", elements)``: a
-            list of elements as ``next`` gives them. Empty at the end of the data.
+            Groups, in order: ``("stacked", element, counts)``, a nest whose ``PerReplica``
+            components have a leading axis of consecutive elements of one shape (with each
+            leaf's ``(elements, replicas)`` row counts or ``None``; see ``placer.HostStack``),
+            or ``("each", elements)``, elements as ``next`` gives them. Empty at the end.
         """
-        if self._place_stacked is None:
-            return ("each", list(itertools.islice(self, k)))
+        if self._stack is None:
+            taken = list(itertools.islice(self, k))
+            return [("each", taken)] if taken else []
         if context.current().in_run:
             next(self)  # raises the error above
-        batches = list(itertools.islice(self._prefetcher, k))
-        if not batches:
-            return ("each", [])
-        stacked = self._place_stacked(batches)
-        if stacked is None:
-            return ("each", [self._place(b) for b in batches])
-        return ("stacked",) + stacked
+        groups, stack = [], None
+        for batch in itertools.islice(self._prefetcher, k):
+            if stack is not None and stack.add(batch):
+                continue
+            if stack is not None:
+                groups.append(("stacked",) + stack.place())
+            stack = self._stack(batch, k)
+            if stack is None:
+                groups.append(("each", [self._place(batch)]))
+        if stack is not None:
+            groups.append(("stacked",) + stack.place())
+        return groups
 
     def get_next(self):
         """The next element: a nest of ``PerReplica`` values.

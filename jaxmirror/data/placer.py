@@ -55,33 +55,30 @@ class Placer:
             return self.place_single(batch.tree, batch.blocks)
         return self.place(batch.tree, batch.blocks, batch.counts)
 
-    def place_stacked(self, batches: list):
-        """Several batches as one transfer, for a fused step: each leaf's blocks stacked along
-        a new axis after the replica axis.
+    def stack(self, first: HostBatch, k: int):
+        """A ``HostStack`` for up to ``k`` batches shaped as ``first`` (with it added), or
+        ``None`` when batches cannot be stacked here (one replica, host batches, several
+        processes): then each is placed alone.
 
         Args:
-            batches: ``HostBatch``es of one epoch.
-
-        Returns:
-            ``(element, counts)``: a nest of ``PerReplica`` whose components have a leading
-            axis of length ``len(batches)``, and per leaf the ``(len(batches), replicas)``
-            row counts (or ``None``); ``None`` when the batches differ in structure or shape
-            (then each must be placed alone).
+            first: the first batch.
+            k: the most batches the stack holds.
         """
-        first = batches[0]
-        shapes = [b.shape for b in first.blocks]
-        if (first.single or not self._fetch or self._multi_process
-                or any(b.tree != first.tree or (b.counts is None) != (first.counts is None)
-                       or [x.shape for x in b.blocks] != shapes for b in batches[1:])):
+        if first.single or not self._fetch or self._multi_process:
             return None
-        stacked = [np.stack([b.blocks[j] for b in batches], axis=1) for j in range(len(shapes))]
+        return HostStack(self, first, k)
+
+    def place_host_stack(self, tree, arrays: list, counts: list):
+        """Stacked blocks as one transfer (see ``HostStack.place``)."""
         placement = self._placement
-        placed = _compat.put_host_arrays(stacked, [placement.replica_sharding] * len(stacked))
-        counts = None
-        if first.counts is not None:
-            counts = self._counts_array(tuple(b.counts for b in batches), -1)
-        element = jax.tree.unflatten(first.tree, [PerReplica(x) for x in placed])
-        return element, tuple(counts for _ in placed)
+        shardings = [placement.replica_sharding] * len(arrays)
+        if counts[0] is not None:  # in the same transfer: their patterns vary call to call
+            arrays = arrays + [np.asarray(counts, np.int32)]
+            shardings.append(placement.replicated_sharding)
+        placed = _compat.put_host_arrays(arrays, shardings)
+        placed_counts = placed.pop() if counts[0] is not None else None
+        element = jax.tree.unflatten(tree, [PerReplica(x) for x in placed])
+        return element, tuple(placed_counts for _ in placed)
 
     def place(self, tree, blocks, counts):
         """The batch as a nest of ``PerReplica`` values.
@@ -129,3 +126,45 @@ class Placer:
             return jax.tree.unflatten(tree, leaves)
         sharding = self._placement.mirrored_sharding  # one replica: its one device
         return jax.tree.unflatten(tree, _compat.put_host_arrays(leaves, [sharding] * len(leaves)))
+
+
+class HostStack:
+    """Host batches of one shape, each copied into one array per leaf as it is taken (so a
+    source that refills its buffers for the next batch does not change the ones taken), for a
+    fused step: moved to the devices in one transfer.
+
+    Args:
+        placer: the dataset's ``Placer``.
+        first: the first batch (added).
+        k: the most batches the stack holds.
+    """
+
+    def __init__(self, placer: Placer, first: HostBatch, k: int):
+        self._placer = placer
+        self._tree = first.tree
+        self._padded = first.counts is not None
+        self._arrays = [np.empty((b.shape[0], k) + b.shape[1:], b.dtype) for b in first.blocks]
+        self._counts = []
+        self.add(first)
+
+    def add(self, batch: HostBatch) -> bool:
+        """Copy ``batch`` in; False (and nothing copied) when it does not fit the stack."""
+        arrays = self._arrays
+        if (batch.single or batch.tree != self._tree or (batch.counts is not None) != self._padded
+                or len(self._counts) == arrays[0].shape[1]
+                or any(b.shape != a.shape[:1] + a.shape[2:] or b.dtype != a.dtype
+                       for a, b in zip(arrays, batch.blocks))):
+            return False
+        i = len(self._counts)
+        for a, b in zip(arrays, batch.blocks):
+            a[:, i] = b
+        self._counts.append(batch.counts)
+        return True
+
+    def place(self):
+        """``(element, counts)``: a nest of ``PerReplica`` whose components have a leading axis
+        of the batches added, and per leaf their ``(batches, replicas)`` row counts (or
+        ``None``)."""
+        n = len(self._counts)
+        arrays = [a if a.shape[1] == n else np.ascontiguousarray(a[:, :n]) for a in self._arrays]
+        return self._placer.place_host_stack(self._tree, arrays, self._counts)

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 
 from jaxmirror.core import _compat, context
 from jaxmirror.core.bits import as_bits, from_bits
-from jaxmirror.core.reduce_op import ReduceOp, as_float, as_reduce_op
+from jaxmirror.core.reduce_op import ReduceOp, as_reduce_op
 from jaxmirror.core.stateful import Stateful
-from jaxmirror.core.values import (GatheredPerReplica, Mirrored, PerReplica,
-                                   attached_sum, host_counts, is_distributed)
+from jaxmirror.core.values import (GatheredPerReplica, Mirrored, PerReplica, host_counts,
+                                   is_distributed)
+from jaxmirror.step.step_sums import attached_reduction, reduced_from_sum, summand
 
 
 def views(value):
@@ -175,7 +176,7 @@ def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None) -> l
         chosen = [i for i, p in enumerate(plans) if p[0] == "sum" and p[3] is inside]
         if not chosen:
             continue
-        parts = [_summand(op, plans[i][1], plans[i][2], divide_first) for i in chosen]
+        parts = [summand(op, plans[i][1], plans[i][2], divide_first) for i in chosen]
         ops = extended.cross_device_ops
         if inside:
             sums = ops.all_reduce_in_program(ReduceOp.SUM, parts, extended.axis_name,
@@ -187,75 +188,8 @@ def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None) -> l
         else:
             sums = ops.sum_components(parts, extended.placement, options)
         for i, total in zip(chosen, sums):
-            out[i] = _reduced(op, total, plans[i][2], divide_first)
+            out[i] = reduced_from_sum(op, total, plans[i][2], divide_first)
     return out
-
-
-def _summand(op: ReduceOp, x, count: int, divide_first: bool):
-    """What a leaf's replicas put into the cross-replica sum of ``op``."""
-    if op is ReduceOp.MEAN:
-        return as_float(x) / count if divide_first else as_float(x)
-    # As jnp.sum: small integers add up in the default int (the ops count booleans).
-    return x.astype(_sum_dtype(x.dtype))
-
-
-def _reduced(op: ReduceOp, total, count: int, divide_first: bool):
-    """The reduction of ``op`` from the cross-replica sum of its summands."""
-    return total if op is ReduceOp.SUM or divide_first else total / count
-
-
-# The largest per-replica result (elements) a step reduces in its own program, in case
-# ``strategy.reduce`` asks: a loss, metrics, a few counts. Larger ones are not worth the
-# collective every step when nobody asks.
-REDUCED_IN_STEP_MAX_SIZE = 1024
-
-
-def reducible_in_step(aval) -> bool:
-    """Whether a step reduces a per-replica result of this shape and dtype in its program."""
-    return aval.size <= REDUCED_IN_STEP_MAX_SIZE and jnp.issubdtype(aval.dtype, jnp.floating)
-
-
-def reductions_in_step(strategy, components: list) -> list:
-    """``strategy.reduce("SUM", ..., axis=None)`` of per-replica results, computed inside the
-    step's SPMD program by the rules and the cross-device ops of ``reduce``, so that ``reduce``
-    of the step's output costs no collective program of its own (a MEAN divides it after).
-
-    Args:
-        strategy: the strategy (more than one replica) whose step is being traced.
-        components: each result's component on the tracing replica (floating, see
-            ``reducible_in_step``).
-
-    Returns:
-        One sum per component, replicated.
-    """
-    extended = strategy.extended
-    parts = [_summand(ReduceOp.SUM, x, 0, False) for x in components]
-    return extended.cross_device_ops.all_reduce_in_program(
-        ReduceOp.SUM, parts, extended.axis_name, extended.devices,
-        extended.options_for(None, "reduce"))
-
-
-def _attached(strategy, x, op: ReduceOp):
-    """``reduce(op, x, axis=None)`` from the sum ``x``'s step computed with it, or ``None``.
-
-    A MEAN divides that sum here, as ``reduce_leaves`` divides its own (the same bits: XLA's
-    division by a constant inside the step could differ by an ulp); unless the strategy's wire
-    carries means, which are divided before they are summed.
-    """
-    total = attached_sum(x, strategy.extended)
-    if total is None or op is ReduceOp.SUM:
-        return total
-    if strategy.extended.options_for(None, "reduce").wire_dtype is not None:
-        return None
-    return _reduced(op, total, strategy.num_replicas_in_sync, False)
-
-
-def _sum_dtype(dtype):
-    """The dtype ``jnp.sum`` gives for an integer or float ``dtype``: small integers widen."""
-    if jnp.issubdtype(dtype, jnp.integer) and jnp.dtype(dtype).itemsize < 4:
-        return jnp.dtype(jnp.uint32 if jnp.issubdtype(dtype, jnp.unsignedinteger)
-                         else jnp.int32)
-    return jnp.dtype(dtype)
 
 
 class _Uneven:
@@ -332,11 +266,11 @@ def reduce(strategy, reduce_op, value, axis, method: str = "reduce", options=Non
     op = as_reduce_op(reduce_op)
     require_cross_replica(strategy, method)
     extended = strategy.extended
-    # A step's small results come with their reductions (reductions_in_step), made with the
-    # strategy's own options: no program of their own.
+    # A step's small results come with their sums (step_sums), made with the strategy's own
+    # options: no program of their own.
     attached = axis is None and options is None
     if attached and type(value) is PerReplica:
-        found = _attached(strategy, value, op)
+        found = attached_reduction(strategy, value, op)
         if found is not None:
             return found
     options = extended.options_for(options, method)
@@ -344,7 +278,7 @@ def reduce(strategy, reduce_op, value, axis, method: str = "reduce", options=Non
     if strategy.num_replicas_in_sync == 1:
         return reduce_single(strategy, op, value, axis)
     leaves, tree = jax.tree.flatten(value, is_leaf=is_distributed)
-    out = [_attached(strategy, x, op) if attached else None for x in leaves]
+    out = [attached_reduction(strategy, x, op) if attached else None for x in leaves]
     todo = [i for i, x in enumerate(out) if x is None]
     for i, x in zip(todo, reduce_leaves(strategy, op, [leaves[i] for i in todo], axis, options)
                     if todo else ()):
@@ -410,5 +344,4 @@ def gather(strategy, value, axis):
     return strategy.extended.placement.readable_everywhere(gathered)
 
 
-__all__ = ["gather", "kind", "local_results", "reducible_in_step", "reductions_in_step", "reduce",
-           "reduce_single"]
+__all__ = ["gather", "kind", "local_results", "reduce", "reduce_single"]

@@ -3,25 +3,21 @@
 TF runs several steps per ``tf.function`` call by looping over ``next(iterator)`` inside it
 (Keras: ``steps_per_execution``). Here ``strategy.function(fn, steps_per_execution=K)`` makes a
 ``FusedStep``: each call takes the next K elements of an iterator and runs ``fn`` on them, one
-after the other, in one dispatch. The first step is traced as a plain step (which finds the
-variables it uses); the other K - 1 run in a ``lax.scan`` that carries those variables' values,
-so the program's size does not grow with K. Results are those of K single steps, stacked
-along a new leading axis.
+after the other, in one dispatch (``fused_trace.run_steps``: the first step traced plainly, the
+others in a ``lax.scan``, so the program's size does not grow with K). Results are those of K
+single steps, stacked along a new leading axis.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax import lax
 
-from jaxmirror.core import binding, context
 from jaxmirror.core.values import PerReplica, is_per_replica
-from jaxmirror.step import graphs
-from jaxmirror.step.replica_context import ReplicaContext
+from jaxmirror.step.fused_trace import run_steps
 
 
 class FusedStep:
@@ -37,11 +33,14 @@ class FusedStep:
     sum). Near the end of the data a call takes the elements that are left (a program for
     that count is built once); with none left it raises ``StopIteration``.
 
-    State that changes from step to step must live in ``jaxmirror.Variable``s (read and
-    assigned in ``fn``, as in TF) or in flax NNX objects passed as arguments (a model, an
-    ``nnx.Optimizer``: updated as after K calls); arrays passed as arguments are inputs of
-    every step, not carried. Per-row results of a padded batch come back padded (no row
-    counts).
+    State that changes from step to step carries over as after K calls when it lives in
+    ``jaxmirror.Variable``s (read and assigned in ``fn``, as in TF), in flax NNX objects passed
+    as arguments (a model, an ``nnx.Optimizer``), or in arguments named by ``carry_argnums``
+    that ``fn`` returns updated first (``return params, opt_state, loss``: the call then
+    returns them as the last step left them, and the rest stacked). Other arguments are the
+    same for every step (a step returning a value shaped as one of them gets a warning).
+    Per-row results of a padded batch come back padded (no row counts). Elements of different
+    shapes (one replica's shorter last batch) run as consecutive programs within the call.
 
     Args:
         strategy: the strategy whose replicas run the steps.
@@ -51,6 +50,7 @@ class FusedStep:
             per-replica function (the strategy's program cache).
         donate_argnums: positions of ``fn``'s arguments (not 0, the element) whose buffers the
             results may reuse.
+        carry_argnums: positions of ``fn``'s arguments (not 0) that it returns updated.
 
     Example:
         >>> import numpy as np, jaxmirror
@@ -66,14 +66,14 @@ class FusedStep:
         ([4.0, 8.0, 12.0], 12.0)
     """
 
-    def __init__(self, strategy, fn, steps: int, compile_fn, donate_argnums=()):
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            raise ValueError(f"function: `steps_per_execution` must be an int >= 1; got "
-                             f"{steps!r}.")
-        if 0 in donate_argnums:
+    def __init__(self, strategy, fn, steps: int, compile_fn, donate_argnums=(),
+                 carry_argnums=()):
+        steps = _positive_int(steps)
+        carry_argnums = _positions(carry_argnums, "carry_argnums")
+        if 0 in donate_argnums or 0 in carry_argnums:
             raise ValueError("function: with `steps_per_execution`, argument 0 is the element "
-                             "taken from the iterator, which cannot be donated; donate params "
-                             "and optimizer state.")
+                             "taken from the iterator, which cannot be donated or carried; "
+                             "name params and optimizer state.")
         self._strategy = strategy
         self._fn = fn
         self._steps = steps
@@ -81,11 +81,14 @@ class FusedStep:
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
+        self._carry = carry_argnums
+
         def fused(element, counts, *args, **kwargs):
-            return _run_steps(strategy, fn, element, counts, args, kwargs)
+            return run_steps(strategy, fn, element, counts, args, kwargs, carry_argnums)
 
         def fused_each(elements, counts, *args, **kwargs):
-            return _run_steps(strategy, fn, _stacked(elements), _stacked(counts), args, kwargs)
+            return run_steps(strategy, fn, _stacked(elements), _stacked(counts), args, kwargs,
+                             carry_argnums)
 
         fused.__name__ = fused_each.__name__ = self.__name__
         # The program cache keeps a program as long as its function lives: these do.
@@ -117,37 +120,69 @@ class FusedStep:
         return self._stacked.compile_count + self._each.compile_count
 
     def __call__(self, iterator, *args, **kwargs):
-        program, element, counts = self._take(iterator)
-        return program(element, counts, *args, **kwargs)
+        results = []
+        for program, element, counts in self._take(iterator):
+            out = program(element, counts, *args, **kwargs)
+            results.append(out)
+            for j, i in enumerate(self._carry):  # the next group starts where this one ended
+                args = args[:i - 1] + (out[j],) + args[i:]
+        return results[0] if len(results) == 1 else _joined(results, len(self._carry))
 
     def lower(self, iterator, *args, **kwargs):
         """The program for the next elements of ``iterator`` (which it consumes), lowered.
 
+        Args:
+            iterator: the iterator the elements come from.
+            *args: ``fn``'s other arguments.
+            **kwargs: its keyword arguments.
+
         Returns:
-            A ``jax.stages.Lowered``.
+            A ``jax.stages.Lowered`` (of the first program, when the elements need several).
         """
-        program, element, counts = self._take(iterator)
+        program, element, counts = self._take(iterator)[0]
         return program.lower(element, counts, *args, **kwargs)
 
-    def _take(self, iterator):
-        """``(program, element(s), counts)`` for the next elements of ``iterator``."""
+    def _take(self, iterator) -> list:
+        """``[(program, element(s), counts)]`` for the next elements of ``iterator``: one per
+        run of elements that can share a program."""
         take = getattr(iterator, "take_stacked", None)
         if take is not None:
-            taken = take(self._steps)
+            groups = take(self._steps)
         else:
-            taken = ("each", list(itertools.islice(_iterator(iterator), self._steps)))
-        if taken[0] == "stacked":
-            return self._stacked, taken[1], taken[2]
-        elements = taken[1]
-        if not elements:
+            taken = list(itertools.islice(_iterator(iterator), self._steps))
+            groups = [("each", taken)] if taken else []
+        if not groups:
             raise StopIteration(f"{self.__name__}: the iterator is exhausted.")
-        stripped, counts = zip(*map(_without_counts, elements))
-        _check_same_shapes(stripped, self.__name__)
-        return self._each, tuple(stripped), tuple(counts)
+        calls = []
+        for group in _merged(groups):
+            if group[0] == "stacked":
+                calls.append((self._stacked, group[1], group[2]))
+                continue
+            for run in _same_shape_runs([_without_counts(e) for e in group[1]]):
+                stripped, counts = zip(*run)
+                calls.append((self._each, tuple(stripped), tuple(counts)))
+        return calls
 
     def __repr__(self) -> str:
         return (f"<jaxmirror fused step {self.__name__} x{self._steps} on "
                 f"{self._strategy!r}>")
+
+
+def _positive_int(steps) -> int:
+    try:
+        value = operator.index(steps)
+    except TypeError:
+        value = None
+    if value is None or isinstance(steps, bool) or value < 1:
+        raise ValueError(f"function: `steps_per_execution` must be an int >= 1; got {steps!r}.")
+    return value
+
+
+def _positions(nums, name: str) -> tuple:
+    nums = (nums,) if isinstance(nums, int) else tuple(nums)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+        raise ValueError(f"function: `{name}` must be non-negative ints; got {nums!r}.")
+    return nums
 
 
 def _iterator(iterator):
@@ -158,6 +193,17 @@ def _iterator(iterator):
             f"{type(iterator).__name__}."
         )
     return iterator
+
+
+def _merged(groups: list) -> list:
+    """Consecutive ``("each", ...)`` groups as one."""
+    out = []
+    for g in groups:
+        if g[0] == "each" and out and out[-1][0] == "each":
+            out[-1] = ("each", out[-1][1] + g[1])
+        else:
+            out.append(g)
+    return out
 
 
 def _without_counts(element):
@@ -171,97 +217,47 @@ def _without_counts(element):
     return jax.tree.unflatten(tree, plain), counts
 
 
-def _one_step(strategy, fn, element, counts, args, kwargs):
-    """``fn`` on one element, in a replica context whose ``batch_mask`` is this element's."""
-    axis = strategy.extended.placement.axis_name
-    leaves = jax.tree.leaves(element)
-    padded = tuple((leaf.shape[0] if leaf.ndim else None, c)
-                   for leaf, c in zip(leaves, counts) if c is not None)
-    ctx = ReplicaContext(strategy, axis_name=axis, padded_batches=padded)
-    with context.pushed(context.Entry(strategy, ctx, in_run=True)):
-        return fn(element, *args, **kwargs)
+def _signature(pair):
+    element, counts = pair
+    return (jax.tree.structure(element), len(counts),
+            tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(element)))
 
 
-def _run_steps(strategy, fn, element, counts, args, kwargs):
-    """Inside the step's trace (per replica): the step on each entry of ``element``'s leading
-    axis in turn (the first plainly, the others in a scan), results stacked."""
-    first = _as_arrays(_one_step(strategy, fn, _entry(element, 0), _entry(counts, 0),
-                                 args, kwargs))
-    if len(jax.tree.leaves(element)[0]) == 1:
-        return jax.tree.map(lambda x: x[None], first)
-    outer = binding.current()
-    carried = [s for s in outer.slots.values() if s.used or s.written]
-    axis = strategy.extended.placement.axis_name
-    # NNX objects among the arguments (merged in this trace, see graphs.merged_call) carry
-    # their state from step to step too; each step runs on objects merged from it.
-    nodes = _graph_nodes((args, kwargs))
-    graphdef, nnx_state = nnx.split(nodes) if nodes else (None, None)
-    slots = []  # the last trace of the body's slots, one per carried variable
+def _same_shape_runs(pairs: list) -> list:
+    """``pairs`` cut into runs of consecutive elements with one structure and shapes (which
+    one program can stack)."""
+    runs = []
+    for pair, sig in zip(pairs, map(_signature, pairs)):
+        if runs and runs[-1][0] == sig:
+            runs[-1][1].append(pair)
+        else:
+            runs.append((sig, [pair]))
+    return [run for _, run in runs]
 
-    def body(carry, xs):
-        values, state = carry
-        inner = binding.Frame(strategy, axis, discover=True)
-        for s, value in zip(carried, values):
-            inner.bind(s.var, value, s.mirrored)
-        a, k = args, kwargs
-        if nodes:
-            merged = nnx.merge(graphdef, state)
-            by_id = {id(old): new for old, new in zip(nodes, merged)}
-            a, k = jax.tree.map(lambda x: by_id.get(id(x), x), (args, kwargs),
-                                is_leaf=graphs.is_graph_node)
-        with binding.pushed(inner):
-            out = _as_arrays(_one_step(strategy, fn, xs[0], xs[1], a, k))
-        if inner.discovered:
+
+def _joined(results: list, n_carried: int):
+    """The results of consecutive programs of one call as one: carried arguments from the
+    last, the stacked results concatenated along their step axis."""
+    def join(*xs):
+        per_replica = isinstance(xs[0], PerReplica)  # the step axis: 1 there, else 0
+        stacked = [x.stacked if per_replica else x for x in xs]
+        if len({jnp.shape(x)[:per_replica] + jnp.shape(x)[per_replica + 1:]
+                for x in stacked}) > 1:
             raise ValueError(
-                f"function: with `steps_per_execution`, the step used variable(s) "
-                f"{[v.name for v in inner.discovered]} only after its first step; every step "
-                f"must use the same variables.")
-        slots[:] = [inner.slots[id(s.var)] for s in carried]
-        new = [jnp.asarray(slot.value).astype(v.dtype) for slot, v in zip(slots, values)]
-        return (new, nnx.state(merged) if nodes else None), out
+                f"function: with `steps_per_execution`, this call took elements of different "
+                f"shapes (one replica's shorter last batch) and ran them as {len(xs)} "
+                f"programs, whose results differ in shape ({[jnp.shape(x) for x in stacked]}) "
+                f"and cannot be stacked; the steps did run (variables are updated). Return "
+                f"per-step values that do not depend on the batch size, or use "
+                f"InputOptions(drop_remainder=True).")
+        joined = jnp.concatenate(stacked, axis=int(per_replica))
+        return PerReplica(joined) if per_replica else joined
 
-    rest = jax.tree.map(lambda x: x[1:], (element, counts))
-    init = ([jnp.asarray(s.value) for s in carried], nnx_state)
-    (final, final_state), ys = lax.scan(body, init, rest)
-    for s, slot, value in zip(carried, slots, final):
-        if slot.written:
-            s.write(value, s.mirrored and slot.mirrored)
-    if nodes:
-        nnx.update(nodes, final_state)
-    return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, ys)
-
-
-def _graph_nodes(tree) -> list:
-    """The distinct NNX objects in ``tree``, in order."""
-    seen, nodes = set(), []
-    for x in jax.tree.leaves(tree, is_leaf=graphs.is_graph_node):
-        if graphs.is_graph_node(x) and id(x) not in seen:
-            seen.add(id(x))
-            nodes.append(x)
-    return nodes
-
-
-def _entry(tree, i: int):
-    return jax.tree.map(lambda x: x[i], tree)
-
-
-def _check_same_shapes(elements, name: str) -> None:
-    """Elements moved one by one are stacked in the program: they must match."""
-    first = [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(elements[0])]
-    tree = jax.tree.structure(elements[0])
-    for i, e in enumerate(elements[1:], 1):
-        if (jax.tree.structure(e) != tree
-                or [(jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(e)] != first):
-            raise ValueError(
-                f"{name}: with `steps_per_execution`, the elements one call takes must have "
-                f"the same structure and shapes, but element {i} differs from element 0 "
-                f"({tree} {first}); give batches of one size (a distributed dataset pads a "
-                f"partial batch for you with several replicas), or call a step without "
-                f"`steps_per_execution` for the odd ones.")
-
-
-def _as_arrays(tree):
-    return jax.tree.map(jnp.asarray, tree)
+    if not n_carried:
+        return jax.tree.map(join, *results, is_leaf=is_per_replica)
+    stacked = [r[n_carried:] for r in results]
+    return tuple(results[-1][:n_carried]) + tuple(
+        jax.tree.map(join, *stacked, is_leaf=is_per_replica))
 
 
 def _stacked(trees):

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 
 from jaxmirror.core import _compat, binding, inflight
 from jaxmirror.core.stateful import Stateful
-from jaxmirror.core.values import (Mirrored, PerReplica, attach_sum, is_distributed,
-                                   is_per_replica)
+from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
 from jaxmirror.step import graphs, placing
 from jaxmirror.step.arguments import check_arguments, has_variables, take_variables
 from jaxmirror.step.call_rules import check_can_run, wants_arguments
-from jaxmirror.step.cross_replica import reducible_in_step, reductions_in_step
+from jaxmirror.step.step_sums import (attach_sums, reducible_in_step, reductions_in_step,
+                                      sum_paths)
 from jaxmirror.step.static_binding import StaticBinding
 from jaxmirror.step.trace import Traced, emit, local_key, run_op_by_op, trace_replica
 from jaxmirror.variables import state
@@ -74,6 +74,9 @@ class Program:
         # Small per-replica results are summed in the program too, for strategy.reduce.
         self._reductions = None if self._single else (
             reducible_in_step, functools.partial(reductions_in_step, strategy))
+        self._owner = weakref.ref(strategy.extended)  # whose sums they are (reduce checks)
+        self._sum_first_only = False  # an NNX step's program: not the objects' new state
+        self._sum_paths = ()  # getters from the output to each summed result (last trace)
         self._donate_argnums = tuple(donate_argnums)
         # None, or how every call goes from now on: with variable or NNX-object arguments
         self._mode = None
@@ -106,12 +109,12 @@ class Program:
                     raise self._transformed_error()
                 with state.lock:  # read, dispatch, write back: one update at a time
                     state.poll()  # first: a step seen to have failed is rolled back
-                    out, token, reduced = self._dispatch(self._captured_key, captured, args,
-                                                         kwargs)
+                    out, token, sums = self._dispatch(self._captured_key, captured, args,
+                                                      kwargs)
             elif self._central:
-                out, token, _, reduced = self._central_call(None, (), args, kwargs)
+                out, token, _, sums = self._central_call(None, (), args, kwargs)
             else:  # no variables, no writes
-                out, token, _, reduced = self._jitted(None, (), *args, **kwargs)
+                out, token, _, sums = self._jitted(None, (), *args, **kwargs)
         except binding.Discovered as found:  # the step reads variables by closure
             self._capture(found.variables)
             return self(*args, **kwargs)
@@ -127,7 +130,7 @@ class Program:
                 raise
             self._mode = Program._call_with_variable_args
             return self._call_with_variable_args(args, kwargs)
-        return self._finish(out, token, reduced)
+        return self._finish(out, token, sums)
 
     def _call_with_variable_args(self, args, kwargs):
         """A call whose arguments may hold variables: they go in as their arrays."""
@@ -142,7 +145,7 @@ class Program:
                     raise self._transformed_error()
                 if key[1] and self._donate_argnums:
                     self._check_not_donating_variables(args)
-                out, token, reduced = self._dispatch(bound, variables, a, k)
+                out, token, sums = self._dispatch(bound, variables, a, k)
         except binding.Discovered as found:
             self._capture(found.variables)
             return self._call_with_variable_args(args, kwargs)
@@ -155,7 +158,7 @@ class Program:
             if moved is None:
                 raise
             return self._call_with_variable_args(*moved)
-        return self._finish(out, token, reduced)
+        return self._finish(out, token, sums)
 
     def _mirrored_arguments(self, args, kwargs, err):
         """``(args, kwargs)`` with arrays on other devices mirrored (as TF does), or ``None``
@@ -190,6 +193,7 @@ class Program:
             program = Program(self._strategy, step, donate_argnums=(0,) if donated else (),
                               weak=False)
             program._counter = self
+            program._sum_first_only = True
             self._graph_programs[key] = program
         out, new_state = program(nnx_state, others)
         if program._effects:
@@ -208,12 +212,12 @@ class Program:
         writes to ``variables`` (passed ones first, then captured) stored open."""
         states = tuple(map(state_of, self._captured))
         if self._central:
-            out, token, writes, reduced = self._central_call(bound, states, args, kwargs)
+            out, token, writes, sums = self._central_call(bound, states, args, kwargs)
         else:
-            out, token, writes, reduced = self._jitted(bound, states, *args, **kwargs)
+            out, token, writes, sums = self._jitted(bound, states, *args, **kwargs)
         if writes:
             state.write_open(variables, writes, out is not None, self._single)
-        return out, token, reduced
+        return out, token, sums
 
     def lower(self, *args, **kwargs):
         """The program for these arguments, lowered and not run (``jax.stages.Lowered``).
@@ -242,22 +246,16 @@ class Program:
         replicas, and its mirrored results (new parameters, variables' values) go back there."""
         placement = self._strategy.extended.placement
         states, args, kwargs = placement.to_compute((states, args, kwargs))
-        out, token, writes, reduced = self._jitted(bound, states, *args, **kwargs)
-        return placement.to_storage(out), token, placement.to_storage(writes), reduced
+        out, token, writes, sums = self._jitted(bound, states, *args, **kwargs)
+        return placement.to_storage(out), token, placement.to_storage(writes), sums
 
-    def _finish(self, out, token, reduced):
+    def _finish(self, out, token, sums):
         """The call was dispatched: it counts against the in-flight bound, and its small
-        per-replica results get the sums it computed (``reductions_in_step``)."""
+        per-replica results get the sums it computed with them (``step_sums``)."""
         if self._track:
             inflight.track_array(token if token is not None else self._handle(out))
-        if reduced is not None:
-            owner = self._strategy.extended
-            if type(out) is PerReplica:
-                attach_sum(out, owner, reduced[0])
-            else:
-                for value, total in zip(jax.tree.leaves(out, is_leaf=is_per_replica), reduced):
-                    if total is not None:
-                        attach_sum(value, owner, total)
+        if sums:
+            attach_sums(out, sums, self._sum_paths, self._owner)
         return out
 
     def _donated_argument_holding(self, args, predicate):
@@ -348,19 +346,24 @@ class Program:
         if op_by_op:
             with jax.disable_jit():
                 run_op_by_op(traced, flat, stacked, self._strategy.extended.placement)
-            return None, None, {}, None  # no NaN op by op: JAX raises its own error about that
+            return None, None, {}, ()  # no NaN op by op: JAX raises its own error about that
         self._handle_path = traced.handle_path
         self._counter.compile_count += 1  # a trace that got here is compiled (not abandoned)
         self._effects = self._effects or bool(traced.jaxpr.effects)
-        outs, reduced = emit(traced, flat, stacked, self._strategy.extended.placement,
-                             len(counts), self._reductions)
+        reductions = self._reductions
+        if reductions is not None and self._sum_first_only:  # (user's results, NNX state)
+            reductions += (traced.out_tree.children()[0].num_leaves,)
+        elif reductions is not None:
+            reductions += (None,)
+        outs, summed, sums = emit(traced, flat, stacked, self._strategy.extended.placement,
+                                  len(counts), reductions)
         n_out = len(outs) - len(traced.written)
         results, new_states = outs[:n_out], outs[n_out:]
+        self._sum_paths = sum_paths(traced.out_tree, n_out, summed)
         # A step with no outputs still queues collectives: give the in-flight bound a handle.
         token = None if results else jnp.zeros((), jnp.int32)
         return (jax.tree.unflatten(traced.out_tree, results), token,
-                dict(zip(traced.written, new_states)),
-                reduced[:n_out] if any(r is not None for r in reduced) else None)
+                dict(zip(traced.written, new_states)), tuple(sums))
 
     def _traced_for(self, in_tree, n_args, local, bound, padded) -> Traced:
         """The user's function traced for this per-replica signature (once per signature).

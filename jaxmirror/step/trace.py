@@ -49,19 +49,19 @@ def _as_output_array(x, where):
     )
 
 
-def _getters(path) -> tuple:
+def getters(path) -> tuple:
     """Key path -> getters; a key we cannot follow cheaply gives a path that always falls back."""
-    getters = []
+    found = []
     for key in path:
         if isinstance(key, jax.tree_util.SequenceKey):
-            getters.append(operator.itemgetter(key.idx))
+            found.append(operator.itemgetter(key.idx))
         elif isinstance(key, jax.tree_util.DictKey):
-            getters.append(operator.itemgetter(key.key))
+            found.append(operator.itemgetter(key.key))
         elif isinstance(key, jax.tree_util.GetAttrKey):
-            getters.append(operator.attrgetter(key.name))
+            found.append(operator.attrgetter(key.name))
         else:
             return (_no_path,)
-    return tuple(getters)
+    return tuple(found)
 
 
 def _no_path(_):
@@ -158,7 +158,7 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
                                                                   placement.num_replicas)
         found.update(
             out_tree=tree,
-            handle_path=(_no_path,) if smallest is None else _getters(with_paths[smallest][0]),
+            handle_path=(_no_path,) if smallest is None else getters(with_paths[smallest][0]),
             written=written,
             force_varying=[False] * len(outs) + varying,
             pairs=(divergence.paired_outputs(fn, a, k, result)
@@ -278,14 +278,15 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int,
         stacked: per flat input, whether it is replica-stacked.
         placement: the strategy's ``Placement``.
         n_counts: how many row-count inputs end ``flat``.
-        reductions: ``None``, or ``(wanted, reduce)``: ``wanted(aval)`` says whether a
-            per-replica output (not a batch's rows) is summed over the replicas in the
-            program too, and ``reduce(components)`` gives each one's sum there.
+        reductions: ``None``, or ``(wanted, reduce, limit)``: ``wanted(aval)`` says whether a
+            per-replica result (among the first ``limit``, or all when ``None``; not a batch's
+            rows) is summed over the replicas in the program too, and ``reduce(components)``
+            gives each one's sum there.
 
     Returns:
-        ``(outputs, reduced)``: the outputs, replicated arrays for Mirrored ones,
+        ``(outputs, summed, sums)``: the outputs, replicated arrays for Mirrored ones,
         ``PerReplica`` for the others (with row counts for those holding a padded batch's
-        rows); ``reduced`` has one entry per output, ``None`` or its sum.
+        rows); the indices of the results summed, and their sums.
     """
     (eqn,) = traced.jaxpr.jaxpr.eqns  # the shard_map, fed by consts and our flat inputs
     env = dict(zip(traced.jaxpr.jaxpr.constvars, traced.jaxpr.consts))
@@ -306,14 +307,22 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int,
     body = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(inner, ()))
     n_out = len(out_varying)
     n_results = n_out - len(traced.written)  # the variables' new arrays follow the results
+    limit = n_results if reductions is None or reductions[2] is None else reductions[2]
     wanted = [] if reductions is None else [
-        i for i, (vary, source, var) in enumerate(zip(out_varying[:n_results],
+        i for i, (vary, source, var) in enumerate(zip(out_varying[:limit],
                                                       traced.row_source, inner.outvars))
         if vary and source is None and reductions[0](var.aval)]
 
     def per_replica(*ops):
         ops = [o.reshape(o.shape[1:]) if s else o for o, s in zip(ops, op_stacked)]
         outs = body(*ops)
+        if wanted:
+            # One materialized value for the result and its sum: XLA would otherwise fuse
+            # the result's computation into the sum's packing again, rounded differently.
+            barred = _compat.optimization_barrier([outs[i] for i in wanted])
+            outs = list(outs)
+            for i, o in zip(wanted, barred):
+                outs[i] = o
         sums = reductions[1]([outs[i] for i in wanted]) if wanted else []
         return [o[None] if vary else o for o, vary in zip(outs, out_varying)] + list(sums)
 
@@ -326,7 +335,4 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int,
     counts_in = flat[len(flat) - n_counts:]
     results = [PerReplica(o, None if source is None else counts_in[source]) if vary else o
                for o, vary, source in zip(outs, out_varying, traced.row_source)]
-    reduced = [None] * n_out
-    for j, i in enumerate(wanted):
-        reduced[i] = outs[n_out + j]
-    return results, reduced
+    return results, wanted, outs[n_out:]

@@ -10,8 +10,8 @@ import jax
 from jaxmirror.core import _compat, context, inflight
 from jaxmirror.step import cross_replica
 from jaxmirror.step.program import Program
-from jaxmirror.step.step_function import Step
 from jaxmirror.step.fused import FusedStep
+from jaxmirror.step.step_function import Step
 from jaxmirror.step.program_cache import ProgramCache
 from jaxmirror.step.run_options import RunOptions
 from jaxmirror.strategies.extended import StrategyExtended
@@ -157,7 +157,8 @@ class Strategy(InputMethods):
             args = ()
         return program(*args, **(kwargs or {}))
 
-    def function(self, fn=None, *, donate_argnums=(), steps_per_execution=None):
+    def function(self, fn=None, *, donate_argnums=(), steps_per_execution=None,
+                 carry_argnums=()):
         """Compile ``fn`` into a step that runs it on every replica when called.
 
         The step shares ``run``'s compiled-program cache: ``step(*args)`` and
@@ -175,6 +176,9 @@ class Strategy(InputMethods):
                 ``step(iterator, *args)`` and runs ``fn(element, *args)`` on the next K
                 elements of ``iterator`` in one compiled program, results stacked along a new
                 leading axis (see ``FusedStep``; Keras's ``steps_per_execution``).
+            carry_argnums: with ``steps_per_execution``: positions of ``fn``'s arguments that
+                it returns updated, first (``return params, opt_state, loss``), carried from
+                step to step.
 
         Returns:
             The step callable (a ``FusedStep`` with ``steps_per_execution``).
@@ -191,8 +195,12 @@ class Strategy(InputMethods):
             def make(f):
                 return FusedStep(self, f, steps_per_execution,
                                  lambda g, donated: self._program(g, RunOptions(donated)),
-                                 options.donate_argnums)
+                                 options.donate_argnums, carry_argnums)
         else:
+            if carry_argnums:
+                raise ValueError("function: `carry_argnums` is for fused steps; give "
+                                 "`steps_per_execution` too.")
+
             def make(f):
                 return Step(self._program(f, options), f)
         return make if fn is None else make(fn)
