@@ -57,20 +57,23 @@ class Placer:
 
     def stack(self, first: HostBatch, k: int):
         """A ``HostStack`` for up to ``k`` batches shaped as ``first`` (with it added), or
-        ``None`` when batches cannot be stacked here (one replica, host batches, several
-        processes): then each is placed alone.
+        ``None`` when batches cannot be stacked here (host batches, several processes): then
+        each is placed alone.
 
         Args:
             first: the first batch.
             k: the most batches the stack holds.
         """
-        if first.single or not self._fetch or self._multi_process:
+        if not self._fetch or self._multi_process:
             return None
         return HostStack(self, first, k)
 
-    def place_host_stack(self, tree, arrays: list, counts: list):
+    def place_host_stack(self, tree, arrays: list, counts: list, single: bool = False):
         """Stacked blocks as one transfer (see ``HostStack.place``)."""
         placement = self._placement
+        if single:  # one replica: plain arrays on its device, the steps along axis 0
+            placed = _compat.put_host_arrays(arrays, [placement.mirrored_sharding] * len(arrays))
+            return jax.tree.unflatten(tree, placed), tuple(None for _ in placed)
         shardings = [placement.replica_sharding] * len(arrays)
         if counts[0] is not None:  # in the same transfer: their patterns vary call to call
             arrays = arrays + [np.asarray(counts, np.int32)]
@@ -143,28 +146,34 @@ class HostStack:
         self._placer = placer
         self._tree = first.tree
         self._padded = first.counts is not None
-        self._arrays = [np.empty((b.shape[0], k) + b.shape[1:], b.dtype) for b in first.blocks]
+        self._single = first.single
+        # The step axis: after the replica axis of blocks; first for one replica's leaves.
+        self._axis = 0 if first.single else 1
+        self._arrays = [np.empty(b.shape[:self._axis] + (k,) + b.shape[self._axis:],
+                                 np.asarray(b).dtype) for b in first.blocks]
         self._counts = []
         self.add(first)
 
     def add(self, batch: HostBatch) -> bool:
         """Copy ``batch`` in; False (and nothing copied) when it does not fit the stack."""
-        arrays = self._arrays
-        if (batch.single or batch.tree != self._tree or (batch.counts is not None) != self._padded
-                or len(self._counts) == arrays[0].shape[1]
-                or any(b.shape != a.shape[:1] + a.shape[2:] or b.dtype != a.dtype
-                       for a, b in zip(arrays, batch.blocks))):
+        arrays, ax = self._arrays, self._axis
+        if (batch.single != self._single or batch.tree != self._tree
+                or (batch.counts is not None) != self._padded
+                or len(self._counts) == arrays[0].shape[ax]
+                or any(np.shape(b) != a.shape[:ax] + a.shape[ax + 1:]
+                       or np.asarray(b).dtype != a.dtype for a, b in zip(arrays, batch.blocks))):
             return False
         i = len(self._counts)
         for a, b in zip(arrays, batch.blocks):
-            a[:, i] = b
+            a[(slice(None),) * ax + (i,)] = b
         self._counts.append(batch.counts)
         return True
 
     def place(self):
         """``(element, counts)``: a nest of ``PerReplica`` whose components have a leading axis
-        of the batches added, and per leaf their ``(batches, replicas)`` row counts (or
-        ``None``)."""
-        n = len(self._counts)
-        arrays = [a if a.shape[1] == n else np.ascontiguousarray(a[:, :n]) for a in self._arrays]
-        return self._placer.place_host_stack(self._tree, arrays, self._counts)
+        of the batches added (one replica: plain arrays with it), and per leaf their
+        ``(batches, replicas)`` row counts (or ``None``)."""
+        n, ax = len(self._counts), self._axis
+        arrays = [a if a.shape[ax] == n else np.ascontiguousarray(a[(slice(None),) * ax + (
+            slice(0, n),)]) for a in self._arrays]
+        return self._placer.place_host_stack(self._tree, arrays, self._counts, self._single)
