@@ -34,6 +34,7 @@ bench: install $(BENCH_STAMP)
 	$(PY) benchmarks/tf_loop.py
 	$(PY) benchmarks/tf_loop.py --model wide --rounds 4
 	$(PY) benchmarks/fused_steps.py
+	$(PY) benchmarks/fused_steps.py --num-packs 1 --devices 2,8 --k 50
 	$(PY) benchmarks/vs_tensorflow.py
 	$(PY) benchmarks/leaf_overhead.py
 	$(PY) benchmarks/memory.py

@@ -22,6 +22,7 @@ must be equal bit for bit (same batches, same order) and no step may have compil
 Run from the repository root:
     .venv/bin/python benchmarks/fused_steps.py                  # N = 1, 2, 4, 8; K = 10, 50
     .venv/bin/python benchmarks/fused_steps.py --quick          # a smoke run, noisy
+    .venv/bin/python benchmarks/fused_steps.py --num-packs 1    # gradients in one all-reduce
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ from tf_loop import LR, MODELS, host_data, replica_loss  # noqa: E402
 GLOBAL_BATCH = MODELS["tiny"][0]
 
 
-def make_loop(devices, params, batches, k: int | None):
+def make_loop(devices, params, batches, k: int | None, num_packs: int | None = None):
     """The loop on a fresh strategy: ``loop(steps)`` runs them, returns the summed loss."""
-    strategy = jaxmirror.MirroredStrategy(devices)
+    ops = None if num_packs is None else jaxmirror.NcclAllReduce(num_packs=num_packs)
+    strategy = jaxmirror.MirroredStrategy(devices, cross_device_ops=ops)
     with strategy.scope():
         variables = {name: jaxmirror.Variable(v, name=name) for name, v in params.items()}
 
@@ -84,8 +86,8 @@ def make_loop(devices, params, batches, k: int | None):
 def bench(n: int, k: int, args) -> dict:
     params, batches = host_data("tiny")
     devices = jax.devices()[:n]
-    single, fused = make_loop(devices, params, batches, None), make_loop(devices, params,
-                                                                          batches, k)
+    single = make_loop(devices, params, batches, None, args.num_packs)
+    fused = make_loop(devices, params, batches, k, args.num_packs)
     first = single(2 * k), fused(2 * k)
     assert first[0] == first[1], f"N={n} K={k}: fused losses differ from single steps'"
     counts = single.counts(), fused.counts()
@@ -119,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="timed rounds (even)")
     ap.add_argument("--steps", type=int, default=200, help="steps per round per loop")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 100 steps; noisy")
+    ap.add_argument("--num-packs", type=int, default=None,
+                    help="both loops with NcclAllReduce(num_packs=...) (default: the "
+                         "strategy's own ops)")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 2, 100
@@ -131,7 +136,8 @@ def main(argv=None) -> int:
     print(f"# command: {command}")
     print(f"# jaxmirror: {jaxmirror.__file__} ({checkout()})")
     print(f"# tiny MLP {' -> '.join(map(str, MODELS['tiny'][1]))}, global batch {GLOBAL_BATCH}; "
-          f"{args.rounds} rounds, order alternating")
+          f"{args.rounds} rounds, order alternating; cross-device ops: "
+          + ("the default" if args.num_packs is None else f"NcclAllReduce({args.num_packs})"))
     print()
     results, t_start = [], time.perf_counter()
     for n in ns:

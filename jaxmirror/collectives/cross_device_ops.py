@@ -43,8 +43,7 @@ class CrossDeviceOps:
 
     Args:
         num_packs: how many packs each dtype's leaves are concatenated and cut into before
-            they are summed (one collective per pack); 0 sums every leaf on its own (the small
-            ones of a dtype together: ``packing.SMALL_LEAF_BYTES``).
+            they are summed (one collective per pack); 0 sums every leaf on its own.
 
     Raises:
         ValueError: for a negative or non-integer ``num_packs``.
@@ -282,15 +281,13 @@ class NcclAllReduce(CrossDeviceOps):
     """All-reduce per pack (``tf.distribute.NcclAllReduce``): XLA's all-reduce, NCCL's on GPUs.
 
     What a mirrored strategy uses when given none: with ``num_packs=0`` within one process
-    (XLA's own combiner then merges the large leaves' all-reduces without copying: a
-    concatenated pack cost 3x that for a 10M-float gradient tree of 200 leaves on 8 CPU
-    devices; the small leaves share one pack, cheaper than a collective each), with
+    (XLA's own combiner then merges the per-leaf all-reduces without copying: a concatenated
+    pack cost 3x that for a 10M-float gradient tree of 200 leaves on 8 CPU devices), with
     ``num_packs=1`` across processes (gloo pays per operand). Each dtype's leaves are
     concatenated and cut into ``num_packs`` packs, one all-reduce each.
 
     Args:
-        num_packs: packs per dtype; 0 all-reduces every leaf on its own, but those of up to
-            ``packing.SMALL_LEAF_BYTES`` (64 KiB) together.
+        num_packs: packs per dtype; 0 all-reduces every leaf on its own.
 
     Raises:
         ValueError: for a negative ``num_packs``.
@@ -313,7 +310,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     all-gathered back within each group.
 
     Args:
-        num_packs: packs per dtype; 0 sums every leaf on its own (small ones together).
+        num_packs: packs per dtype; 0 sums every leaf on its own.
 
     Raises:
         ValueError: for a negative ``num_packs``.

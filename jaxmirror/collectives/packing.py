@@ -42,10 +42,6 @@ def leaf_groups(sizes: list, bytes_per_pack: int) -> list:
     return groups
 
 
-# Leaves up to this size go in one pack per dtype even when unpacked (``num_packs=0``).
-SMALL_LEAF_BYTES = 64 << 10
-
-
 def packed_apply(leaves: list, combine, num_packs: int, bytes_per_pack: int = 0,
                  multiple_of: int = 1) -> list:
     """``combine`` applied to the leaves through packs: ``[combine_leaf(x) for x in leaves]``.
@@ -53,8 +49,7 @@ def packed_apply(leaves: list, combine, num_packs: int, bytes_per_pack: int = 0,
     Leaves are grouped by dtype (in order). With ``bytes_per_pack`` each group's leaves are
     packed whole into packs of about that many bytes (``leaf_groups``); otherwise each group
     is concatenated into one flat buffer and cut into ``num_packs`` chunks of (nearly) equal
-    length, at most one per element; ``num_packs=0`` gives every leaf its own buffer, but
-    the leaves of up to ``SMALL_LEAF_BYTES`` share one per dtype.
+    length, at most one per element; ``num_packs=0`` gives every leaf its own buffer.
     ``combine`` gets each buffer flat, padded with zeros to a multiple of ``multiple_of``
     elements (reduce-scatters need that); empty buffers are not combined (a sum of nothing is
     nothing).
@@ -62,7 +57,7 @@ def packed_apply(leaves: list, combine, num_packs: int, bytes_per_pack: int = 0,
     Args:
         leaves: arrays (inside the replicas' program).
         combine: maps a flat 1-D buffer to a flat buffer of the same length and dtype.
-        num_packs: chunks per dtype; 0 for no packing but the small leaves'.
+        num_packs: chunks per dtype; 0 for no packing.
         bytes_per_pack: packs of about this many bytes when positive (whole leaves).
         multiple_of: pad every buffer ``combine`` gets to a multiple of this many elements.
 
@@ -85,12 +80,7 @@ def packed_apply(leaves: list, combine, num_packs: int, bytes_per_pack: int = 0,
             packs = [[members[j] for j in group] for group in
                      leaf_groups([leaves[i].size * itemsize for i in members], bytes_per_pack)]
         elif num_packs == 0:
-            # Large leaves alone (no copies); the small ones of a dtype in one pack: copying
-            # them costs less than a collective each (on CPU devices one all-reduce per
-            # operand, each a rendezvous of every replica's thread).
-            itemsize = jnp.dtype(dtype).itemsize
-            small = [i for i in members if leaves[i].size * itemsize <= SMALL_LEAF_BYTES]
-            packs = [[i] for i in members if i not in small] + ([small] if small else [])
+            packs = [[i] for i in members]
         else:
             packs = [members]
         for pack in packs:
