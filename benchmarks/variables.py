@@ -73,8 +73,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
 from jaxmirror.core import _compat, inflight as _inflight  # noqa: E402  (the bound; --breakdown's pieces)
-from jaxmirror.step.program import _take_variables  # noqa: E402  (timed by --breakdown)
-from jaxmirror.step.program import check_can_run  # noqa: E402  (timed by --breakdown)
+from jaxmirror.step.arguments import take_variables  # noqa: E402  (timed by --breakdown)
+from jaxmirror.step.call_rules import check_can_run  # noqa: E402  (timed by --breakdown)
 from jaxmirror.variables.state import state_of, write_back  # noqa: E402  (the same)
 from _timing import dispatch, init_params, mlp, steps_and_cases  # noqa: E402  (shared)
 from _timing import more_rounds  # noqa: E402
@@ -365,11 +365,11 @@ def _jit_args(prog, args):
 
     ``(key, captured states, args)``: ``key`` is the static binding of
     ``step.trace.trace_replica``, ``(positions, variables, captured)``, and in ``args`` every
-    variable is replaced by its array (``program._take_variables``, which the breakdown also times
+    variable is replaced by its array (``arguments.take_variables``, which the breakdown also times
     as the cost of finding variables among the arguments). A ``_jitted`` call with a key that
     differs from the step's would build a second program: ``check_counts`` would fail.
     """
-    key, args, _ = _take_variables(args, {}, prog._captured)
+    key, args, _ = take_variables(args, {}, prog._captured)
     return prog._binding(key), tuple(map(state_of, prog._captured)), args
 
 
@@ -400,11 +400,11 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         return loss
 
     def pytree_jitted():
-        (held["a_jitted"], loss), _, _ = pa._jitted(None, (), held["a_jitted"], x, y)
+        (held["a_jitted"], loss), _, _, _ = pa._jitted(None, (), held["a_jitted"], x, y)
         return loss
 
     def closure_jitted():
-        loss, _, writes = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)
+        loss, _, writes, _ = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)
         _apply(writes, captured)
         return loss
 
@@ -461,11 +461,11 @@ def ablation(case: Case, rounds: int, steps: int,
     captured = pb._captured
 
     def pytree_jitted(params, x, y):
-        out, _, _ = pa._jitted(None, (), params, x, y)
+        out, _, _, _ = pa._jitted(None, (), params, x, y)
         return out
 
     def closure_jitted(_, x, y):
-        loss, _, writes = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)
+        loss, _, writes, _ = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)
         _apply(writes, captured)
         return None, loss
 
