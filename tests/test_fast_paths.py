@@ -614,3 +614,15 @@ def test_batches_placed_without_device_put_equal_device_puts(dtype):
     assert _bits(np.asarray(got)) == _bits(np.asarray(want))
     batch = next(iter(s.experimental_distribute_dataset([host])))
     assert _bits(np.asarray(batch.stacked)) == _bits(np.asarray(want))
+
+
+def test_a_value_of_another_strategy_with_other_replicas_is_refused():
+    four, two = jm.MirroredStrategy(_devices(4)), jm.MirroredStrategy(["CPU:4", "CPU:5"])
+    value = four.run(lambda: jnp.float32(jm.get_replica_context().replica_id_in_sync_group))
+    for method, call in (("reduce", lambda: two.reduce("SUM", value, axis=None)),
+                         ("gather", lambda: two.gather(value, 0)),
+                         ("experimental_local_results",
+                          lambda: two.experimental_local_results(value))):
+        with pytest.raises(ValueError, match=f"{method}: got a PerReplica with 4 components, "
+                                             f"but this strategy has 2 replicas"):
+            call()

@@ -39,6 +39,13 @@ PER_REPLICA, MIRRORED, PLAIN = "per_replica", "mirrored", "plain"
 
 def kind(strategy, x, method: str = "reduce") -> str:
     if isinstance(x, PerReplica):
+        n = strategy.num_replicas_in_sync
+        if (not isinstance(x, GatheredPerReplica) and x.stacked is not None
+                and jnp.ndim(x.stacked) and jnp.shape(x.stacked)[0] != n):
+            raise ValueError(
+                f"{method}: got a PerReplica with {jnp.shape(x.stacked)[0]} components, but "
+                f"this strategy has {n} replicas; a value from another strategy: reduce, "
+                f"gather or read it with the strategy that made it.")
         return PER_REPLICA
     if isinstance(x, Mirrored):
         return MIRRORED
