@@ -312,6 +312,11 @@ def test_fused_steps_refuse_bad_arguments():
         steps(iter([np.ones(4), np.ones(5)]))  # runs both; per-row results cannot be stacked
     with pytest.raises(StopIteration, match="exhausted"):
         steps(iter([]))
+    with pytest.raises(ValueError, match=r"function: `carry_argnums` must be non-negative ints; "
+                                         r"got \(1, -1\)"):
+        s.function(lambda x: x, steps_per_execution=2, carry_argnums=(1, -1))
+    with pytest.raises(ValueError, match="RunOptions: `donate_argnums` must be non-negative ints"):
+        s.function(lambda x: x, donate_argnums="0")
     with pytest.raises(ValueError, match="`carry_argnums` is for fused steps"):
         s.function(lambda x: x, carry_argnums=(1,))
     assert s.function(lambda x: x, steps_per_execution=np.int64(2)).steps_per_execution == 2

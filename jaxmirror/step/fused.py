@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxmirror.core.values import PerReplica, is_per_replica
 from jaxmirror.step.fused_trace import run_steps
+from jaxmirror.step.run_options import argnums
 
 
 class FusedStep:
@@ -69,7 +70,7 @@ class FusedStep:
     def __init__(self, strategy, fn, steps: int, compile_fn, donate_argnums=(),
                  carry_argnums=()):
         steps = _positive_int(steps)
-        carry_argnums = _positions(carry_argnums, "carry_argnums")
+        carry_argnums = argnums(carry_argnums, "function", "carry_argnums")
         if 0 in donate_argnums or 0 in carry_argnums:
             raise ValueError("function: with `steps_per_execution`, argument 0 is the element "
                              "taken from the iterator, which cannot be donated or carried; "
@@ -176,13 +177,6 @@ def _positive_int(steps) -> int:
     if value is None or isinstance(steps, bool) or value < 1:
         raise ValueError(f"function: `steps_per_execution` must be an int >= 1; got {steps!r}.")
     return value
-
-
-def _positions(nums, name: str) -> tuple:
-    nums = (nums,) if isinstance(nums, int) else tuple(nums)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
-        raise ValueError(f"function: `{name}` must be non-negative ints; got {nums!r}.")
-    return nums
 
 
 def _iterator(iterator):

@@ -128,30 +128,30 @@ def _check_carried(fn, args, out, carry_argnums) -> None:
             f"first {len(carry_argnums)} items are those arguments updated (e.g. `return "
             f"params, opt_state, loss`); it returned {type(out).__name__}.")
     for j, i in enumerate(carry_argnums):
-        want = jax.tree.map(_aval, args[i - 1])
-        got = jax.tree.map(_aval, out[j])
-        if jax.tree.structure(want) != jax.tree.structure(got) or (
-                jax.tree.leaves(want) != jax.tree.leaves(got)):
+        want, got = _avals(args[i - 1]), _avals(out[j])
+        if got != want:
             raise ValueError(
                 f"{name}: with `carry_argnums`, result {j} must be argument {i} updated, with "
-                f"its structure, shapes and dtypes; got {got}, expected {want}.")
+                f"its structure, shapes and dtypes; got {got[0]} {got[1]}, expected "
+                f"{want[0]} {want[1]}.")
 
 
-def _aval(x):
-    return (jnp.shape(x), jnp.result_type(x))
+def _avals(tree):
+    """``tree``'s structure and each leaf's shape and dtype: equal for values that a scan
+    could carry one as the other."""
+    leaves, structure = jax.tree.flatten(tree)
+    return structure, [(jnp.shape(x), jnp.result_type(x)) for x in leaves]
 
 
 def _warn_if_state_returned(fn, args, out) -> None:
     """A step that returns an argument's new value (``params, loss = step(batch, params)``)
     would start every fused step from the passed one, silently: say so once per trace."""
     items = out if isinstance(out, (tuple, list)) else (out,)
-    outs = [jax.tree.map(_aval, o) for o in items]
+    outs = [_avals(o) for o in items]
     for i, a in enumerate(args, 1):
         if not any(isinstance(x, jax.Array) and x.ndim for x in jax.tree.leaves(a)):
             continue  # scalars (a learning rate) look like a loss, not like state
-        want = jax.tree.map(_aval, a)
-        if any(jax.tree.structure(o) == jax.tree.structure(want)
-               and jax.tree.leaves(o) == jax.tree.leaves(want) for o in outs):
+        if _avals(a) in outs:
             warnings.warn(
                 f"function: `{getattr(fn, '__name__', 'the step')}` returns a value shaped as "
                 f"its argument {i}; with `steps_per_execution` every step starts from the "

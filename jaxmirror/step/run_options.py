@@ -27,9 +27,29 @@ class RunOptions:
     donate_argnums: tuple = ()
 
     def __post_init__(self):
-        nums = self.donate_argnums
-        nums = (nums,) if isinstance(nums, int) else tuple(nums)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
-            raise ValueError(f"RunOptions: `donate_argnums` must be non-negative ints; got "
-                             f"{self.donate_argnums!r}.")
-        object.__setattr__(self, "donate_argnums", nums)
+        object.__setattr__(self, "donate_argnums",
+                           argnums(self.donate_argnums, "RunOptions", "donate_argnums"))
+
+
+def argnums(nums, where: str, name: str) -> tuple:
+    """Argument positions given as an int or a sequence of them, as a tuple.
+
+    Args:
+        nums: an int or a sequence of ints.
+        where: the API name, for the error.
+        name: the parameter's name, for the error.
+
+    Returns:
+        The positions as a tuple.
+
+    Raises:
+        ValueError: unless every position is a non-negative int.
+
+    Example:
+        >>> argnums(1, "RunOptions", "donate_argnums")
+        (1,)
+    """
+    positions = (nums,) if isinstance(nums, int) else tuple(nums)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions):
+        raise ValueError(f"{where}: `{name}` must be non-negative ints; got {nums!r}.")
+    return positions
