@@ -1,37 +1,22 @@
 """TF names jaxmirror has not built yet: using one says it is planned and what to use today.
 
-``jaxmirror.experimental.ParameterServerStrategy`` and
-``jaxmirror.cluster_resolver.RayClusterResolver`` are what TF users reach for; a bare
-``AttributeError`` would read as a typo. Each is a placeholder class whose construction raises
-``NotImplementedError`` with the plan and today's alternative; the real classes replace these
-entries as they land.
+A bare ``AttributeError`` on a TF name users reach for reads as a typo. Each name listed in
+``PLANNED`` is a placeholder class whose construction raises ``NotImplementedError`` with the
+plan and today's alternative; the real classes replace these entries as they land (every TF
+name planned so far has landed, so the table is empty).
 
 Example:
     >>> import jaxmirror
-    >>> jaxmirror.experimental.ParameterServerStrategy(None)
+    >>> jaxmirror.experimental.NoSuchThing
     Traceback (most recent call last):
     ...
-    NotImplementedError: jaxmirror.experimental.ParameterServerStrategy is planned but not built yet ...
+    AttributeError: module 'jaxmirror.experimental' has no attribute 'NoSuchThing'
 """
 
 from __future__ import annotations
 
-_SYNCHRONOUS = ("jaxmirror.MultiWorkerMirroredStrategy (synchronous training across workers) "
-                "or jaxmirror.MirroredStrategy on one machine")
-
 # namespace -> name -> (what it will be, what to use today)
-PLANNED = {
-    "jaxmirror.experimental": {
-        "ParameterServerStrategy": (
-            "asynchronous parameter-server training on Ray", _SYNCHRONOUS),
-    },
-    "jaxmirror.cluster_resolver": {
-        "RayClusterResolver": (
-            "a cluster of Ray actors for ParameterServerStrategy",
-            "TFConfigClusterResolver, SimpleClusterResolver or SlurmClusterResolver with "
-            + _SYNCHRONOUS),
-    },
-}
+PLANNED: dict = {}
 
 
 def _placeholder(qualname: str, what: str, instead: str) -> type:
@@ -60,8 +45,10 @@ def planned_attribute(namespace: str, name: str):
         AttributeError: for names that are not planned.
 
     Example:
-        >>> planned_attribute("jaxmirror.experimental", "ParameterServerStrategy").__name__
-        'ParameterServerStrategy'
+        >>> planned_attribute("jaxmirror.experimental", "NoSuchThing")
+        Traceback (most recent call last):
+        ...
+        AttributeError: module 'jaxmirror.experimental' has no attribute 'NoSuchThing'
     """
     qualname = f"{namespace}.{name}"
     entry = PLANNED.get(namespace, {}).get(name)
@@ -83,8 +70,8 @@ def install_planned_names(module, namespace: str) -> None:
 
     Example:
         >>> import jaxmirror
-        >>> jaxmirror.cluster_resolver.RayClusterResolver.__name__
-        'RayClusterResolver'
+        >>> hasattr(jaxmirror.cluster_resolver, "NoSuchResolver")
+        False
     """
     def __getattr__(name):
         return planned_attribute(namespace, name)

@@ -4,7 +4,8 @@ TF's ``tf.distribute.cluster_resolver``: a `ClusterSpec` names the jobs of a clu
 (``"chief"``, ``"worker"``, ``"ps"``, ...) and their tasks' ``"host:port"`` addresses; a
 `ClusterResolver` finds the cluster and this process's ``task_type`` and ``task_id``: from the
 ``TF_CONFIG`` variable (`TFConfigClusterResolver`), from Slurm (`SlurmClusterResolver`), or as
-given (`SimpleClusterResolver`). This package imports only the standard library and JAX.
+given (`SimpleClusterResolver`); `RayClusterResolver` makes a parameter-server cluster of Ray
+actors (Ray is imported only when one is made).
 
 >>> from jaxmirror.cluster_resolver import ClusterSpec, SimpleClusterResolver
 >>> spec = ClusterSpec({"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]})
@@ -15,8 +16,9 @@ given (`SimpleClusterResolver`). This package imports only the standard library 
 
 from jaxmirror.cluster_resolver.base import ClusterResolver, SimpleClusterResolver
 from jaxmirror.cluster_resolver.cluster_spec import ClusterSpec, parse_address
+from jaxmirror.cluster_resolver.ray_cluster import RayClusterResolver
 from jaxmirror.cluster_resolver.slurm import SlurmClusterResolver
 from jaxmirror.cluster_resolver.tf_config import TFConfigClusterResolver
 
-__all__ = ["ClusterResolver", "ClusterSpec", "SimpleClusterResolver", "SlurmClusterResolver",
-           "TFConfigClusterResolver", "parse_address"]
+__all__ = ["ClusterResolver", "ClusterSpec", "RayClusterResolver", "SimpleClusterResolver",
+           "SlurmClusterResolver", "TFConfigClusterResolver", "parse_address"]

@@ -7,6 +7,7 @@ Example:
 """
 
 from jaxmirror import planned
+from jaxmirror.experimental import coordinator, partitioners
 from jaxmirror.collectives.communication import CommunicationImplementation, CommunicationOptions
 from jaxmirror.core.devices import simulate_cpu_devices
 from jaxmirror.data.distribute_values import ValueContext
@@ -16,6 +17,8 @@ from jaxmirror.step.divergence import ReplicaDivergenceWarning, check_replicas
 from jaxmirror.step.padding_check import PaddedRowsWarning
 from jaxmirror.strategies.central_storage import CentralStorageStrategy
 from jaxmirror.strategies.multi_worker import MultiWorkerMirroredStrategy
+from jaxmirror.strategies.parameter_server import ParameterServerStrategy
+from jaxmirror.variables.sharded import ShardedVariable
 
 
 def __getattr__(name):
@@ -25,5 +28,7 @@ def __getattr__(name):
 
 __all__ = ["AutoShardPolicy", "CentralStorageStrategy", "CommunicationImplementation",
            "CommunicationOptions",
-           "FileDataset", "MultiWorkerMirroredStrategy", "PaddedRowsWarning", "ReplicaDivergenceWarning",
-           "ValueContext", "check_replicas", "simulate_cpu_devices"]
+           "FileDataset", "MultiWorkerMirroredStrategy", "PaddedRowsWarning",
+           "ParameterServerStrategy", "ReplicaDivergenceWarning", "ShardedVariable",
+           "ValueContext", "check_replicas", "coordinator", "partitioners",
+           "simulate_cpu_devices"]

@@ -87,6 +87,13 @@ class StrategyExtended:
         return self._options.merge(checked_options(options, method))
 
     @property
+    def variable_creator(self):
+        """What ``Variable(...)`` in the strategy's scope calls instead of making a
+        ``Variable``; ``None`` (the default) for strategies whose variables live on their
+        devices. ``ParameterServerStrategy``'s makes variables stored on parameter servers."""
+        return None
+
+    @property
     def placement(self) -> Placement:
         """Where the strategy's values live and how they are put there (``Placement``)."""
         return self._placement

@@ -34,6 +34,7 @@ from jaxmirror.variables import creation, display, state
 from jaxmirror.variables.identity import Identity
 from jaxmirror.variables.assignment import combine, convert, owned_copy
 from jaxmirror.variables.operators import ArrayOperators
+from jaxmirror.variables.overwrites import OverwriteWatch
 
 Agg = VariableAggregation
 Sync = VariableSynchronization
@@ -44,7 +45,7 @@ Sync = VariableSynchronization
 _DISTRIBUTED_CLASSES: dict = {}
 
 
-class Variable(ArrayOperators, Identity, Stateful):
+class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
     """A variable: one array you can read and assign (``tf.Variable``).
 
     Created inside a strategy's ``scope()`` it becomes a distributed variable: a
@@ -114,6 +115,10 @@ class Variable(ArrayOperators, Identity, Stateful):
                             f"strategy's scope when the synchronization says so.")
         sync = as_synchronization(synchronization)
         strategy = creation.owning_strategy()
+        if strategy is not None and strategy.extended.variable_creator is not None:
+            # Stored elsewhere (parameter servers): not a Variable, so __init__ does not run.
+            return strategy.extended.variable_creator(initial_value, trainable, sync,
+                                                      as_aggregation(aggregation), dtype, name)
         if strategy is None or not strategy.extended.placement.distributed_variables:
             return object.__new__(Variable)
         kind = Sync.ON_READ if sync is Sync.ON_READ else Sync.ON_WRITE
@@ -347,6 +352,7 @@ class Variable(ArrayOperators, Identity, Stateful):
         return self._write("assign_sub", delta, read_value)
 
     def _write(self, method: str, value, read_value: bool):
+        self.note_assignment(method)
         slot = self._slot()
         if slot is not None and _compat.current_trace() is not binding.current().trace:
             raise ValueError(

@@ -1,0 +1,10 @@
+"""Parameter-server training on Ray: the actors, the closures and their scheduling.
+
+Modules, bottom up (``core.ray_support`` imports Ray, which is optional): ``errors``,
+``shipping`` (pickling functions and arguments for the workers), ``actors`` (the parameter
+server and worker actor classes), ``worker_runtime`` (what runs a closure inside a worker),
+``ps_variables`` (the coordinator's handles on parameter-server values), ``cluster`` (starting and
+replacing actors), ``per_worker`` (per-worker datasets and iterators), ``remote_value``,
+``dispatch`` (the closure queue) and ``cluster_coordinator`` (``ClusterCoordinator``).
+Nothing here imports the strategies; ``strategies.parameter_server`` builds on it.
+"""

@@ -1,0 +1,125 @@
+"""The two kinds of Ray actors: parameter servers (hold values) and workers (run closures).
+
+Plain classes here; ``cluster`` makes Ray actors of them. A Ray actor runs one call at a time,
+so each parameter server applies one closure's updates at once, and deduplicates them by closure
+id: a closure re-run after its worker died has its updates applied at most once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jaxmirror.coordinator import worker_runtime
+
+
+def _apply(values: dict, var_id, kind: str, value) -> None:
+    old = values[var_id]
+    if kind == "assign":
+        new = np.array(value, dtype=old.dtype)  # a copy: the argument may be a read-only buffer
+    elif kind in ("add", "assign_add"):
+        new = (old + value).astype(old.dtype, copy=False)
+    elif kind in ("sub", "assign_sub"):
+        new = (old - value).astype(old.dtype, copy=False)
+    else:
+        raise ValueError(f"ParameterServer: unknown update kind {kind!r}.")
+    values[var_id] = new.reshape(old.shape)
+
+
+class ParameterServer:
+    """A parameter server: variables' values by id, updated one closure at a time.
+
+    Args:
+        index: the task index (``/job:ps/task:index``).
+
+    Example:
+        >>> ps = ParameterServer(0)
+        >>> ps.create([(7, np.float32(1.0))])
+        >>> ps.push(1, [(7, "add", np.float32(2.0))], [7])[1][0].item()
+        3.0
+        >>> ps.push(1, [(7, "add", np.float32(2.0))], [7])   # closure 1 again: ignored
+        (False, [array(3., dtype=float32)])
+    """
+
+    def __init__(self, index: int):
+        self.index = index
+        self.values: dict = {}
+        self.applied: set = set()
+        self.deduplicate = True
+
+    def ping(self) -> int:
+        """The process id (also: the actor is up)."""
+        return os.getpid()
+
+    def create(self, items) -> None:
+        """Add variables: ``items`` is a list of ``(var_id, initial value)``."""
+        for var_id, value in items:
+            self.values[var_id] = np.array(value)
+
+    def pull(self, var_ids) -> list:
+        """The values of ``var_ids``, in order."""
+        return [self.values[i] for i in var_ids]
+
+    def push(self, closure_id, updates, pull_ids) -> tuple:
+        """Apply closure ``closure_id``'s updates unless they were applied already.
+
+        Args:
+            closure_id: the closure's id.
+            updates: a list of ``(var_id, kind, value)``, kind ``"assign"``, ``"add"``, ``"sub"``.
+            pull_ids: variables whose values to return after the updates.
+
+        Returns:
+            ``(applied, values of pull_ids)``.
+        """
+        fresh = closure_id not in self.applied or not self.deduplicate
+        if fresh:
+            staged = dict((i, self.values[i]) for i, _, _ in updates)
+            for var_id, kind, value in updates:
+                _apply(staged, var_id, kind, value)
+            self.values.update(staged)  # all of the closure's updates, or (on error) none
+            self.applied.add(closure_id)
+        return fresh, [self.values[i] for i in pull_ids]
+
+    def update(self, updates) -> None:
+        """Apply updates made on the coordinator (no closure; never deduplicated)."""
+        staged = dict((i, self.values[i]) for i, _, _ in updates)
+        for var_id, kind, value in updates:
+            _apply(staged, var_id, kind, value)
+        self.values.update(staged)
+
+    def set_deduplication(self, on: bool) -> None:
+        """Testing: turn deduplication by closure id off to see what it prevents."""
+        self.deduplicate = bool(on)
+
+
+class Worker:
+    """A worker: runs scheduled closures on its own devices (``worker_runtime``).
+
+    Args:
+        index: the task index (``/job:worker/task:index``).
+        num_workers: how many workers the cluster has.
+        ps_handles: the parameter-server actors.
+        strategy_factory: a function returning the worker's own strategy.
+        env: environment variables to set before JAX starts in this process (device count,
+            platform).
+    """
+
+    def __init__(self, index, num_workers, ps_handles, strategy_factory, env):
+        os.environ.update(env)
+        if "JAX_PLATFORMS" in env:  # read by JAX at import, which came before this call
+            import jax
+            jax.config.update("jax_platforms", env["JAX_PLATFORMS"])
+        worker_runtime.install(index, num_workers, ps_handles, strategy_factory)
+
+    def ping(self) -> int:
+        """The process id (also: the actor is up)."""
+        return os.getpid()
+
+    def run(self, closure_id, fn_id, fn_blob, args_blob, var_ids):
+        """Run one closure (``worker_runtime.run_closure``)."""
+        return worker_runtime.run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids)
+
+    def exit_after_pushes(self, count: int) -> None:
+        """Testing: exit the process right after the ``count``-th push from now."""
+        worker_runtime.exit_after_pushes(count)

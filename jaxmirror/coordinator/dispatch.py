@@ -1,0 +1,194 @@
+"""The closure queue: hands scheduled closures to workers, collects results, survives deaths.
+
+Each worker has up to ``max_in_flight`` closures submitted at once (Ray queues them on the
+actor), so a worker never waits for the coordinator between closures. A thread watches the calls
+in flight. A call on a worker that died fails at once (Ray's restarts are off); its closures go
+back to the front of the queue with the same ids, a replacement worker is started, and the
+closures run there. Parameter servers apply each closure's updates at most once, so a closure
+re-run after its updates landed changes nothing twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from jaxmirror.coordinator.errors import UnavailableError, with_remote_traceback
+from jaxmirror.coordinator.ps_variables import ps_unavailable
+from jaxmirror.core import ray_support
+
+MAX_ATTEMPTS = 5  # a function that kills its worker every time is an error, not a loop
+
+
+class Closure:
+    """One scheduled call: what to run, where its result goes, how often it was started.
+
+    Attributes:
+        closure_id: unique id (parameter servers deduplicate updates by it).
+        fn_id: the function's id; ``fn_blob`` its pickle.
+        fn_blob: see ``fn_id``.
+        args_blob: the pickled ``(args, kwargs)``.
+        var_ids: the parameter-server variables to pull, sorted.
+        value: its ``RemoteValue``.
+        attempts: how many times it was started.
+    """
+
+    __slots__ = ("closure_id", "fn_id", "fn_blob", "args_blob", "var_ids", "value", "attempts")
+
+    def __init__(self, closure_id, fn_id, fn_blob, args_blob, var_ids, value):
+        self.closure_id, self.fn_id, self.fn_blob = closure_id, fn_id, fn_blob
+        self.args_blob, self.var_ids, self.value = args_blob, var_ids, value
+        self.attempts = 0
+
+
+class Dispatcher:
+    """Runs closures on the cluster's workers.
+
+    Args:
+        cluster: the ``RayCluster``.
+        max_in_flight: closures submitted to one worker at once.
+    """
+
+    def __init__(self, cluster, max_in_flight: int = 2):
+        self._cluster = cluster
+        self._max = max_in_flight
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._in_flight: dict = {}  # object ref -> (closure, worker index, generation)
+        self._load = [0] * cluster.num_workers
+        self._shipped = [set() for _ in range(cluster.num_workers)]
+        self._error = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name="jaxmirror-coordinator",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- called by the coordinator (any thread) -------------------------------------------------
+    def put(self, closure: Closure) -> None:
+        """Queue ``closure`` and start it if a worker has room.
+
+        Raises:
+            The pending error of an earlier closure (then cleared), as TF's ``schedule``.
+        """
+        with self._cond:
+            self._raise_pending()
+            self._queue.append(closure)
+            self._fill()
+            self._cond.notify_all()
+
+    def join(self) -> None:
+        """Wait until every queued closure has run; raise the first error (then cleared)."""
+        with self._cond:
+            while self._queue or self._in_flight:
+                self._cond.wait()
+            self._raise_pending()
+
+    def done(self) -> bool:
+        """Whether every closure has run; raises the pending error (then cleared)."""
+        with self._cond:
+            self._raise_pending()
+            return not self._queue and not self._in_flight
+
+    def close(self) -> None:
+        """Stop watching (the cluster's actors are closed by their owner)."""
+        with self._cond:
+            self._closed = True
+            for closure in self._queue:
+                closure.value.cancel()
+            self._queue.clear()
+            self._cond.notify_all()
+
+    # -- internals (the lock is held) -----------------------------------------------------------
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _fill(self) -> None:
+        while self._queue and not self._closed:
+            worker = min(range(len(self._load)), key=self._load.__getitem__)
+            if self._load[worker] >= self._max:
+                return
+            self._submit(self._queue.popleft(), worker)
+
+    def _submit(self, closure: Closure, worker: int) -> None:
+        shipped = self._shipped[worker]
+        blob = None if closure.fn_id in shipped else closure.fn_blob
+        shipped.add(closure.fn_id)
+        closure.attempts += 1
+        ref = self._cluster.workers[worker].run.remote(
+            closure.closure_id, closure.fn_id, blob, closure.args_blob, closure.var_ids)
+        self._in_flight[ref] = (closure, worker, self._cluster.generation[worker])
+        self._load[worker] += 1
+
+    def _fail(self, error: BaseException) -> None:
+        # TF: the first error cancels what is queued; closures running are waited out.
+        if self._error is None:
+            self._error = error
+        for closure in self._queue:
+            closure.value.cancel()
+        self._queue.clear()
+
+    # -- the watching thread ----------------------------------------------------------------------
+    def _watch(self) -> None:
+        ray = ray_support.ray_module()
+        while True:
+            with self._cond:
+                while not self._in_flight and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._in_flight:
+                    return
+                refs = list(self._in_flight)
+            # Short waits: closures submitted meanwhile are watched from the next round.
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.01)
+            for ref in ready:
+                self._finish(ray, ref)
+
+    def _finish(self, ray, ref) -> None:
+        try:
+            outcome = ray.get(ref)
+        except ray_support.actor_died_errors() as e:
+            outcome = ("died", str(e))
+        except Exception as e:  # noqa: BLE001 (anything else Ray raises is the closure's end)
+            outcome = ("error", None, f"{type(e).__name__}: {e}", str(e))
+        with self._cond:
+            closure, worker, generation = self._in_flight.pop(ref)
+            self._load[worker] -= 1
+            self._resolve(closure, worker, generation, outcome)
+            self._fill()
+            self._cond.notify_all()
+
+    def _resolve(self, closure, worker, generation, outcome) -> None:
+        kind = outcome[0]
+        if kind == "ok":
+            closure.value.set_result(outcome[1])
+        elif kind == "died":
+            self._worker_died(closure, worker, generation, outcome[1])
+        elif kind == "ps":
+            error = UnavailableError(ps_unavailable(outcome[1], "running a scheduled function",
+                                                    outcome[2]))
+            closure.value.set_error(error)
+            self._fail(error)
+        else:
+            _, error, text, remote_tb = outcome
+            if error is None:
+                error = RuntimeError(f"ClusterCoordinator: a scheduled function failed on "
+                                     f"worker {worker}: {text}")
+            error = with_remote_traceback(error, f"/job:worker/replica:0/task:{worker}",
+                                          remote_tb)
+            closure.value.set_error(error)
+            self._fail(error)
+
+    def _worker_died(self, closure, worker, generation, message) -> None:
+        if self._cluster.replace(worker, generation):
+            self._shipped[worker] = set()
+        if self._error is not None:  # TF: no re-run once an error is pending
+            closure.value.cancel()
+        elif closure.attempts >= MAX_ATTEMPTS:
+            error = RuntimeError(f"ClusterCoordinator: a scheduled function was started "
+                                 f"{closure.attempts} times and each time its worker died "
+                                 f"(last: {message.splitlines()[0] if message else ''}).")
+            closure.value.set_error(error)
+            self._fail(error)
+        else:
+            self._queue.appendleft(closure)  # same id: its updates apply at most once

@@ -1,0 +1,148 @@
+"""``PSVariable``: the coordinator's handle on a variable stored on a parameter server.
+
+Reads and assignments made on the coordinator go to the parameter server at once. Pickled for
+a worker (a scheduled function referring to it), the handle becomes that worker's local copy,
+whose value the worker pulls before each closure and whose changes it pushes after.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmirror.coordinator import shipping, worker_runtime
+from jaxmirror.core import ray_support
+from jaxmirror.coordinator.errors import UnavailableError
+from jaxmirror.core.reduce_op import as_aggregation, as_synchronization
+from jaxmirror.variables.handle import VariableHandle
+
+
+def ps_device(index: int) -> str:
+    """The TF device name of parameter server ``index``.
+
+    Args:
+        index: the task index.
+
+    Returns:
+        A string.
+
+    Example:
+        >>> ps_device(1)
+        '/job:ps/replica:0/task:1/device:CPU:0'
+    """
+    return f"/job:ps/replica:0/task:{index}/device:CPU:0"
+
+
+def call_ps(ps_index: int, ref, what: str):
+    """``ray.get(ref)`` of a call on parameter server ``ps_index``, with a clear error if it died.
+
+    Args:
+        ps_index: the parameter server's index.
+        ref: the call's object ref.
+        what: what was being done, for the error.
+
+    Returns:
+        The call's result.
+
+    Raises:
+        UnavailableError: the parameter server is gone.
+    """
+    ray = ray_support.ray_module()
+    try:
+        return ray.get(ref)
+    except ray_support.actor_died_errors() as e:
+        raise UnavailableError(ps_unavailable(ps_index, what, e)) from None
+
+
+def ps_unavailable(ps_index: int, what: str, cause) -> str:
+    """The message for a parameter server that is gone.
+
+    Args:
+        ps_index: its index.
+        what: what was being done.
+        cause: Ray's error (or its text).
+
+    Returns:
+        A string.
+    """
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return (f"ParameterServerStrategy: parameter server {ps_device(ps_index)} is unavailable "
+            f"while {what} ({first}); its variables are lost: restart the cluster and restore "
+            f"the variables from a checkpoint (jaxmirror.checkpoint.restore).")
+
+
+class PSVariable(VariableHandle):
+    """A variable stored on a parameter server (what ``ParameterServerStrategy`` makes).
+
+    Made by ``jaxmirror.Variable(...)`` inside the strategy's scope. On the coordinator
+    ``read_value()``, ``numpy()`` and the operators fetch the value, and ``assign``,
+    ``assign_add``, ``assign_sub`` apply at once. Inside a scheduled function (on a worker) it is
+    the worker's copy: read at the closure's start, its changes sent at the closure's end.
+
+    Args:
+        strategy: the owning strategy.
+        spec: the variable's ``shipping.VariableSpec``.
+        ps: the parameter-server actor holding it.
+
+    Example:
+        (needs a Ray cluster; see ``ParameterServerStrategy``)
+        >>> PSVariable.__name__
+        'PSVariable'
+    """
+
+    def __init__(self, strategy, spec: shipping.VariableSpec, ps):
+        self._strategy = strategy
+        self._spec = spec
+        self._ps = ps
+        self._name = spec.name
+        self._shape = tuple(spec.shape)
+        self._dtype = jnp.dtype(spec.dtype)
+        self._trainable = spec.trainable
+        self._aggregation = as_aggregation(spec.aggregation)
+        self._synchronization = as_synchronization(spec.synchronization)
+
+    @property
+    def spec(self) -> shipping.VariableSpec:
+        """What a worker needs to make its copy."""
+        return self._spec
+
+    @property
+    def distribute_strategy(self):
+        """The ``ParameterServerStrategy`` that made it."""
+        return self._strategy
+
+    @property
+    def device(self) -> str:
+        """The parameter server's device name."""
+        return ps_device(self._spec.ps_index)
+
+    def read_value(self):
+        """The value, fetched from the parameter server now.
+
+        Returns:
+            A ``jax.Array``.
+
+        Raises:
+            UnavailableError: the parameter server is gone.
+        """
+        value, = call_ps(self._spec.ps_index, self._ps.pull.remote([self._spec.var_id]),
+                         f"reading {self._name!r}")
+        return jnp.asarray(value)
+
+    def _apply(self, method: str, value) -> None:
+        value = np.asarray(value, dtype=np.dtype(self._dtype))
+        call_ps(self._spec.ps_index,
+                self._ps.update.remote([(self._spec.var_id, method, value)]),
+                f"{method} of {self._name!r}")
+
+    def __reduce__(self):
+        if shipping.shipping():
+            shipping.note_variable(self._spec)
+            return (worker_runtime.local_variable, (self._spec,))
+        raise TypeError(f"PSVariable {self._name!r} cannot be pickled or copied: its value "
+                        f"lives on a parameter server. Save it with jaxmirror.checkpoint, or "
+                        f"read its value (numpy()).")
+
+    def __repr__(self) -> str:
+        return (f"<PSVariable {self._name!r} shape={self._shape} "
+                f"dtype={np.dtype(self._dtype).name} on {self.device}>")

@@ -1,0 +1,299 @@
+"""What runs inside a worker process: local copies of variables, per-worker resources, closures.
+
+A worker keeps one local ``jaxmirror.Variable`` per parameter-server variable its closures use,
+made in the worker's own strategy (every device of the worker, one replica each), so
+``strategy.run`` inside a closure is the ordinary compiled step. A closure:
+
+1. pulls the values of the variables it refers to, one request per parameter server (or takes
+   the values its worker's previous closure pulled back with its updates);
+2. runs the function;
+3. pushes what it changed, one message per parameter server, tagged with the closure's id:
+   ``assign_add``/``assign_sub`` as the difference from the pulled value (the server adds it to
+   its current value, so concurrent increments add up), ``assign`` as the new value.
+
+The objects a scheduled function refers to resolve here, when the worker unpickles it:
+``local_variable``, ``worker_strategy``, ``resource``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmirror.core import ray_support
+from jaxmirror.core.values import DistributedValues
+from jaxmirror.variables.variable import Variable
+
+_worker = None  # this process's ``_WorkerState``, installed by the worker actor
+
+
+class _Local:
+    __slots__ = ("var", "flag", "spec", "pulled")
+
+    def __init__(self, var, flag, spec):
+        self.var, self.flag, self.spec, self.pulled = var, flag, spec, None
+
+
+class _WorkerState:
+    def __init__(self, index, num_workers, ps_handles, strategy_factory):
+        self.index = index
+        self.num_workers = num_workers
+        self.ps = list(ps_handles)
+        self.strategy_factory = strategy_factory
+        self.strategy = None
+        self.locals: dict = {}
+        self.resources: dict = {}
+        self.functions: dict = {}
+        self.prefetched: dict = {}
+        self.pushes = 0
+        self.exit_after_push = None
+        self.dirty = False  # a closure failed: its local writes (and overwrite flags) linger
+
+
+def install(index: int, num_workers: int, ps_handles, strategy_factory) -> None:
+    """Make this process worker ``index`` (called once, by the worker actor).
+
+    Args:
+        index: the worker's task index.
+        num_workers: how many workers the cluster has.
+        ps_handles: the parameter-server actors, by index.
+        strategy_factory: a function returning the worker's own strategy.
+
+    Returns:
+        ``None``.
+    """
+    global _worker
+    _worker = _WorkerState(index, num_workers, ps_handles, strategy_factory)
+
+
+def _state() -> _WorkerState:
+    if _worker is None:
+        raise RuntimeError("jaxmirror: this object refers to a parameter-server worker's own "
+                           "copy and only resolves inside a worker process; schedule the "
+                           "function with ClusterCoordinator.schedule.")
+    return _worker
+
+
+def worker_index() -> int:
+    """This worker's task index.
+
+    Returns:
+        An int.
+
+    Raises:
+        RuntimeError: outside a worker process.
+    """
+    return _state().index
+
+
+def worker_strategy():
+    """The worker's own strategy: what ``ParameterServerStrategy`` is inside a closure.
+
+    Returns:
+        A strategy over this worker's devices, made on first use.
+    """
+    state = _state()
+    if state.strategy is None:
+        state.strategy = state.strategy_factory()
+    return state.strategy
+
+
+def local_variable(spec):
+    """The worker's local copy of the parameter-server variable ``spec`` (made on first use).
+
+    Args:
+        spec: a ``shipping.VariableSpec``.
+
+    Returns:
+        A ``jaxmirror.Variable`` of the worker's strategy.
+    """
+    state = _state()
+    local = state.locals.get(spec.var_id)
+    if local is None:
+        with worker_strategy().scope():
+            var = Variable(np.zeros(spec.shape, jnp.dtype(spec.dtype)), trainable=spec.trainable,
+                           aggregation=spec.aggregation, synchronization=spec.synchronization,
+                           name=spec.name)
+            flag = Variable(np.int32(0), aggregation="only_first_replica",
+                            name=f"{spec.name}/overwritten")
+        var.watch_overwrites(flag)
+        local = state.locals[spec.var_id] = _Local(var, flag, spec)
+    return local.var
+
+
+def resource(resource_id, make):
+    """A per-worker resource (dataset, iterator), made here on first use by ``make()``.
+
+    Args:
+        resource_id: its id, unique in the coordinator.
+        make: a function making it in this worker.
+
+    Returns:
+        The resource.
+    """
+    state = _state()
+    if resource_id not in state.resources:
+        state.resources[resource_id] = make()
+    return state.resources[resource_id]
+
+
+def cached_function(fn_id, blob):
+    """The function ``fn_id``, unpickled from ``blob`` the first time and kept.
+
+    Args:
+        fn_id: the function's id in the coordinator.
+        blob: its pickle, or ``None`` when the coordinator knows this worker has it.
+
+    Returns:
+        The function.
+    """
+    import cloudpickle  # noqa: F401  (cloudpickle's functions unpickle with plain pickle)
+    import pickle
+    state = _state()
+    fn = state.functions.get(fn_id)
+    if fn is None:
+        if blob is None:
+            raise KeyError(fn_id)
+        fn = state.functions[fn_id] = pickle.loads(blob)
+    return fn
+
+
+def _pull(state, var_ids) -> None:
+    ray = ray_support.ray_module()
+    wanted = [i for i in var_ids if i not in state.prefetched]
+    values = dict((i, state.prefetched.pop(i)) for i in var_ids if i in state.prefetched)
+    by_ps: dict = {}
+    for i in wanted:
+        by_ps.setdefault(state.locals[i].spec.ps_index, []).append(i)
+    refs = {ps: state.ps[ps].pull.remote(ids) for ps, ids in by_ps.items()}
+    for ps, ref in refs.items():
+        values.update(zip(by_ps[ps], _remote(ray, ref, ps)))
+    state.prefetched.clear()
+    for i in var_ids:
+        local = state.locals[i]
+        local.pulled = np.asarray(values[i])
+        local.var.watch_overwrites(None)  # the pull itself is no overwrite by the closure
+        local.var.assign(local.pulled, read_value=False)
+        local.var.watch_overwrites(local.flag)
+        if state.dirty:
+            local.flag.assign(0, read_value=False)
+    state.dirty = False
+
+
+def _remote(ray, ref, ps_index):
+    try:
+        return ray.get(ref)
+    except ray_support.actor_died_errors() as e:
+        raise _ParameterServerGone(ps_index, str(e)) from None
+
+
+class _ParameterServerGone(Exception):
+    def __init__(self, ps_index, message):
+        super().__init__(message)
+        self.ps_index = ps_index
+
+
+def _updates(state, var_ids) -> dict:
+    locals_ = [state.locals[i] for i in var_ids]
+    finals = jax.device_get([(l.var.read_value(), l.flag.read_value()) for l in locals_])
+    by_ps: dict = {}
+    for local, (final, flag) in zip(locals_, finals):
+        final = np.asarray(final)
+        if int(flag):
+            update = ("assign", final)
+            local.flag.assign(0, read_value=False)
+        elif np.array_equal(final, local.pulled, equal_nan=final.dtype.kind in "fc"):
+            continue
+        elif final.dtype.kind == "b":
+            update = ("assign", final)
+        else:  # exact for small steps: fl(x - d) - x is computed without rounding
+            update = ("add", final - local.pulled)
+        by_ps.setdefault(local.spec.ps_index, []).append((local.spec.var_id,) + update)
+    return by_ps
+
+
+def _push(state, closure_id, by_ps, var_ids) -> None:
+    ray = ray_support.ray_module()
+    # Each push also pulls this closure's variables back: the next closure (queued behind this
+    # one on the same worker) starts from them instead of waiting for a pull of its own.
+    again: dict = {}
+    for i in var_ids:
+        again.setdefault(state.locals[i].spec.ps_index, []).append(i)
+    refs = {ps: state.ps[ps].push.remote(closure_id, ups, again.pop(ps, []))
+            for ps, ups in by_ps.items()}
+    for ps, ref in refs.items():
+        _, pulled = _remote(ray, ref, ps)
+        ids = [i for i in var_ids if state.locals[i].spec.ps_index == ps]
+        state.prefetched.update(zip(ids, pulled))
+    state.pushes += 1
+    if state.exit_after_push is not None and state.pushes >= state.exit_after_push:
+        os._exit(1)  # a test's fault: die after pushing, before the coordinator hears back
+
+
+def _to_host(result):
+    def convert(x):
+        if isinstance(x, DistributedValues):
+            return tuple(np.asarray(c) for c in worker_strategy().experimental_local_results(x))
+        return np.asarray(x) if isinstance(x, jax.Array) else x
+    return jax.tree.map(convert, result, is_leaf=lambda x: isinstance(x, DistributedValues))
+
+
+def run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids):
+    """Run one scheduled closure in this worker; never raises.
+
+    Args:
+        closure_id: the closure's id (parameter servers apply its updates at most once).
+        fn_id: the function's id; ``fn_blob`` its pickle or ``None`` if this worker has it.
+        fn_blob: see ``fn_id``.
+        args_blob: the pickled ``(args, kwargs)``.
+        var_ids: the parameter-server variables the function and arguments refer to.
+
+    Returns:
+        ``("ok", result)`` with arrays as NumPy arrays, ``("error", exception or None, text,
+        traceback)`` when the function raised, or ``("ps", index, text)`` when a parameter
+        server is gone.
+    """
+    import pickle
+    state = _state()
+    try:
+        fn = cached_function(fn_id, fn_blob)
+        args, kwargs = pickle.loads(args_blob)
+        _pull(state, var_ids)
+        result = _to_host(fn(*args, **kwargs))
+        by_ps = _updates(state, var_ids)
+        if by_ps:
+            _push(state, closure_id, by_ps, var_ids)
+        return ("ok", result)
+    except _ParameterServerGone as e:
+        state.prefetched.clear()
+        state.dirty = True
+        return ("ps", e.ps_index, str(e))
+    except Exception as e:  # the user's error: reported, the worker lives on
+        state.prefetched.clear()
+        state.dirty = True
+        text = "".join(traceback.format_exception(e))
+        try:
+            pickle.dumps(e)
+            error = e
+        except Exception:
+            error = None
+        return ("error", error, f"{type(e).__name__}: {e}", text)
+
+
+def exit_after_pushes(count: int) -> None:
+    """Testing: end this worker process right after its ``count``-th push from now.
+
+    Args:
+        count: how many more closures may push before the process exits.
+
+    Returns:
+        ``None``.
+    """
+    state = _state()
+    state.exit_after_push = state.pushes + count
+    sys.stdout.flush()
