@@ -26,11 +26,11 @@ PUBLIC = [
     "get_cross_replica_context", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context", "launch", "metrics", "nn", "read_values",
 ]
-SUBPACKAGES = ["collectives", "core", "data", "planned", "runtime", "step", "strategies",
-               "variables"]
+SUBPACKAGES = ["collectives", "coordinator", "core", "data", "planned", "runtime", "step",
+               "strategies", "variables"]
 # Each layer imports only its own layer and the ones before it.
 LAYERS = [{"core"}, {"cluster_resolver"}, {"runtime"}, {"variables"}, {"step"},
-          {"data", "collectives"}, {"strategies"}, {"nn", "metrics"},
+          {"data", "collectives"}, {"coordinator"}, {"strategies"}, {"nn", "metrics"},
           {"checkpoint", "experimental", "launch", "planned", "__init__"}]
 
 
@@ -39,11 +39,12 @@ def test_public_names_are_pinned():
     assert all(hasattr(jm, name) for name in PUBLIC)
     assert sorted(jm.experimental.__all__) == [
         "AutoShardPolicy", "CentralStorageStrategy", "CommunicationImplementation",
-        "CommunicationOptions", "FileDataset", "MultiWorkerMirroredStrategy", "PaddedRowsWarning", "ReplicaDivergenceWarning",
-        "ValueContext", "check_replicas", "simulate_cpu_devices"]
+        "CommunicationOptions", "FileDataset", "MultiWorkerMirroredStrategy", "PaddedRowsWarning",
+        "ParameterServerStrategy", "ReplicaDivergenceWarning", "ShardedVariable", "ValueContext",
+        "check_replicas", "coordinator", "partitioners", "simulate_cpu_devices"]
     assert sorted(jm.cluster_resolver.__all__) == [
-        "ClusterResolver", "ClusterSpec", "SimpleClusterResolver", "SlurmClusterResolver",
-        "TFConfigClusterResolver", "parse_address"]
+        "ClusterResolver", "ClusterSpec", "RayClusterResolver", "SimpleClusterResolver",
+        "SlurmClusterResolver", "TFConfigClusterResolver", "parse_address"]
     assert sorted(jm.checkpoint.__all__) == ["restore", "restore_into", "save", "to_saveable"]
 
 

@@ -24,7 +24,7 @@ def _apply(values: dict, var_id, kind: str, value) -> None:
         new = (old - value).astype(old.dtype, copy=False)
     else:
         raise ValueError(f"ParameterServer: unknown update kind {kind!r}.")
-    values[var_id] = new.reshape(old.shape)
+    values[var_id] = np.asarray(new).reshape(old.shape)
 
 
 class ParameterServer:

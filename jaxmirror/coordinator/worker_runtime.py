@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxmirror.core import ray_support
 from jaxmirror.core.values import DistributedValues
+from jaxmirror.variables.handle import VariableHandle
 from jaxmirror.variables.variable import Variable
 
 _worker = None  # this process's ``_WorkerState``, installed by the worker actor
@@ -152,7 +153,6 @@ def cached_function(fn_id, blob):
     Returns:
         The function.
     """
-    import cloudpickle  # noqa: F401  (cloudpickle's functions unpickle with plain pickle)
     import pickle
     state = _state()
     fn = state.functions.get(fn_id)
@@ -237,10 +237,13 @@ def _push(state, closure_id, by_ps, var_ids) -> None:
 
 def _to_host(result):
     def convert(x):
+        if isinstance(x, (Variable, VariableHandle)):  # a variable returned: its value, as TF
+            x = x.read_value()
         if isinstance(x, DistributedValues):
             return tuple(np.asarray(c) for c in worker_strategy().experimental_local_results(x))
         return np.asarray(x) if isinstance(x, jax.Array) else x
-    return jax.tree.map(convert, result, is_leaf=lambda x: isinstance(x, DistributedValues))
+    return jax.tree.map(convert, result, is_leaf=lambda x: isinstance(
+        x, (DistributedValues, VariableHandle)))
 
 
 def run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids):

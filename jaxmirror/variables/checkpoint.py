@@ -16,6 +16,7 @@ from jaxmirror.core import context
 from jaxmirror.variables import checkpoint_files as files
 from jaxmirror.variables import checkpoint_leaves as leaves
 from jaxmirror.variables import state
+from jaxmirror.variables.handle import VariableHandle
 from jaxmirror.variables.variable import Variable
 
 
@@ -234,16 +235,38 @@ def restore_into(target, saved):
     saved_pairs = jax.tree_util.tree_flatten_with_path(to_saveable(saved),
                                                        is_leaf=leaves.is_leaf)[0]
     values = leaves.check_same_structure(target_pairs, saved_pairs, "saved tree")
-    out, writes = [], []
+    out, writes, remote = [], [], []
     for (path, leaf), x in zip(target_pairs, values.values()):
         leaves.check_shape(path, leaf, np.shape(x))
-        if isinstance(leaf, Variable):
-            writes.append((leaf, x))
+        if isinstance(leaf, (Variable, VariableHandle)):
+            (writes if isinstance(leaf, Variable) else remote).append((leaf, x))
             out.append(leaf)
         else:
             out.append(leaves.placed_like(leaf, x))
-    _assign_all_or_nothing(writes)
+    old_remote = _assign_handles_all_or_nothing(remote)
+    try:
+        _assign_all_or_nothing(writes)
+    except BaseException:
+        for handle, value in old_remote:
+            handle.assign(value, read_value=False)
+        raise
     return jax.tree.unflatten(treedef, out)
+
+
+def _assign_handles_all_or_nothing(writes) -> list:
+    """``handle.assign(x)`` for variables stored elsewhere; if one fails, those assigned get
+    their old values back. Returns the old values."""
+    old = [(handle, np.asarray(handle.read_value())) for handle, _ in writes]
+    done = []
+    try:
+        for handle, x in writes:
+            handle.assign(x, read_value=False)
+            done.append(handle)
+    except BaseException:
+        for handle, value in old[:len(done)]:
+            handle.assign(value, read_value=False)
+        raise
+    return old
 
 
 def _assign_all_or_nothing(writes) -> None:

@@ -15,6 +15,7 @@ from jaxmirror.core import _compat
 from jaxmirror.core.stateful import is_opaque
 from jaxmirror.core.values import DistributedValues, Mirrored
 from jaxmirror.variables.creation import owning_strategy
+from jaxmirror.variables.handle import VariableHandle
 from jaxmirror.variables.variable import Variable
 
 SCALARS = (bool, int, float, complex)
@@ -79,7 +80,7 @@ def check_same_structure(target_pairs, saved_pairs, what: str) -> dict:
 
 def saveable_leaf(path, x):
     """The array saved for the leaf ``x`` at ``path``: its cross-replica value."""
-    if isinstance(x, Variable):
+    if isinstance(x, (Variable, VariableHandle)):
         try:
             x = x.read_value()
         except ValueError as e:  # a sync-on-read variable with aggregation NONE
@@ -114,7 +115,7 @@ def is_key(x) -> bool:
 
 def target_shape_dtype(path, leaf):
     """(shape, dtype) a target leaf takes; dtype None: keep the saved one. Raises for bad leaves."""
-    if isinstance(leaf, Variable):
+    if isinstance(leaf, (Variable, VariableHandle)):
         return tuple(leaf.shape), None  # `assign` applies the variable's own dtype rules
     if isinstance(leaf, Mirrored):
         return target_shape_dtype(path, leaf.value)

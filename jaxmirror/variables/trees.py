@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from jaxmirror.variables.operators import value_of
+from jaxmirror.variables.handle import VariableHandle
 from jaxmirror.variables.variable import Variable
 
 
@@ -53,7 +54,7 @@ def assign_values(tree, new_values):
     """
 
     def assign(target, new):
-        if isinstance(target, Variable):
+        if isinstance(target, (Variable, VariableHandle)):
             target.assign(new)
             return target
         return new
