@@ -127,6 +127,23 @@ def test_assign_overwrites_and_increments_add_up(strategy, coordinator):
     assert float(v.numpy()) == 3.0
 
 
+def test_closures_see_the_coordinators_writes(strategy, coordinator):
+    # A worker starts a closure from the values its previous push brought back, unless the
+    # coordinator wrote since.
+    with strategy.scope():
+        v = jm.Variable(np.zeros(4, np.float32))
+    for _ in range(6):
+        coordinator.schedule(lambda: v.assign_add(np.ones(4, np.float32)))
+    joined(coordinator)
+    v.assign(np.full(4, 100.0, np.float32))
+    reads = [coordinator.schedule(lambda: v.read_value()) for _ in range(4)]
+    joined(coordinator)
+    assert [rv.fetch().tolist() for rv in reads] == [[100.0] * 4] * 4
+    coordinator.schedule(lambda: v.assign(v.read_value() * 2))
+    joined(coordinator)
+    np.testing.assert_array_equal(v.numpy(), np.full(4, 200.0))
+
+
 def test_a_closure_error_reaches_join_and_the_coordinator_goes_on(strategy, coordinator):
     with strategy.scope():
         v = jm.Variable(0.0)

@@ -116,9 +116,10 @@ class Worker:
         """The process id (also: the actor is up)."""
         return os.getpid()
 
-    def run(self, closure_id, fn_id, fn_blob, args_blob, var_ids):
+    def run(self, closure_id, fn_id, fn_blob, args_blob, var_ids, writes):
         """Run one closure (``worker_runtime.run_closure``)."""
-        return worker_runtime.run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids)
+        return worker_runtime.run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids,
+                                          writes)
 
     def exit_after_pushes(self, count: int) -> None:
         """Testing: exit the process right after the ``count``-th push from now."""

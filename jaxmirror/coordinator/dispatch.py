@@ -14,7 +14,7 @@ import collections
 import threading
 
 from jaxmirror.coordinator.errors import UnavailableError, with_remote_traceback
-from jaxmirror.coordinator.ps_variables import ps_unavailable
+from jaxmirror.coordinator.ps_variables import coordinator_writes, ps_unavailable
 from jaxmirror.core import ray_support
 
 MAX_ATTEMPTS = 5  # a function that kills its worker every time is an error, not a loop
@@ -117,7 +117,8 @@ class Dispatcher:
         shipped.add(closure.fn_id)
         closure.attempts += 1
         ref = self._cluster.workers[worker].run.remote(
-            closure.closure_id, closure.fn_id, blob, closure.args_blob, closure.var_ids)
+            closure.closure_id, closure.fn_id, blob, closure.args_blob, closure.var_ids,
+            coordinator_writes())
         self._in_flight[ref] = (closure, worker, self._cluster.generation[worker])
         self._load[worker] += 1
 

@@ -17,6 +17,25 @@ from jaxmirror.core.reduce_op import as_aggregation, as_synchronization
 from jaxmirror.variables.handle import VariableHandle
 
 
+_COORDINATOR_WRITES = [0]  # how many writes this process made to parameter servers directly
+
+
+def coordinator_writes() -> int:
+    """How many assignments this process (the coordinator) has made to parameter servers.
+
+    Closures carry this count: a worker drops values it pulled back after its previous
+    closure when the coordinator has written since, so a closure sees the coordinator's writes.
+
+    Returns:
+        An int.
+
+    Example:
+        >>> coordinator_writes() >= 0
+        True
+    """
+    return _COORDINATOR_WRITES[0]
+
+
 def ps_device(index: int) -> str:
     """The TF device name of parameter server ``index``.
 
@@ -134,6 +153,7 @@ class PSVariable(VariableHandle):
         call_ps(self._spec.ps_index,
                 self._ps.update.remote([(self._spec.var_id, method, value)]),
                 f"{method} of {self._name!r}")
+        _COORDINATOR_WRITES[0] += 1
 
     def __reduce__(self):
         if shipping.shipping():

@@ -51,6 +51,7 @@ class _WorkerState:
         self.resources: dict = {}
         self.functions: dict = {}
         self.prefetched: dict = {}
+        self.prefetched_writes = 0  # the coordinator's write count the prefetched values follow
         self.pushes = 0
         self.exit_after_push = None
         self.dirty = False  # a closure failed: its local writes (and overwrite flags) linger
@@ -246,7 +247,7 @@ def _to_host(result):
         x, (DistributedValues, VariableHandle)))
 
 
-def run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids):
+def run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids, writes=0):
     """Run one scheduled closure in this worker; never raises.
 
     Args:
@@ -255,6 +256,9 @@ def run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids):
         fn_blob: see ``fn_id``.
         args_blob: the pickled ``(args, kwargs)``.
         var_ids: the parameter-server variables the function and arguments refer to.
+        writes: the coordinator's count of its own writes when it sent the closure
+            (``ps_variables.coordinator_writes``): values pulled back before a newer write are
+            dropped, so the closure sees that write.
 
     Returns:
         ``("ok", result)`` with arrays as NumPy arrays, ``("error", exception or None, text,
@@ -266,6 +270,9 @@ def run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids):
     try:
         fn = cached_function(fn_id, fn_blob)
         args, kwargs = pickle.loads(args_blob)
+        if writes != state.prefetched_writes:
+            state.prefetched.clear()
+            state.prefetched_writes = writes
         _pull(state, var_ids)
         result = _to_host(fn(*args, **kwargs))
         by_ps = _updates(state, var_ids)
