@@ -6,7 +6,7 @@ import os
 
 from jaxmirror.cluster_resolver.base import ClusterResolver
 from jaxmirror.cluster_resolver.cluster_spec import ClusterSpec
-from jaxmirror.core import ray_support
+from jaxmirror.cluster_resolver import ray_support
 
 
 def _count(name: str, value, least: int) -> int:

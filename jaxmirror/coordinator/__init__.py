@@ -1,6 +1,6 @@
 """Parameter-server training on Ray: the actors, the closures and their scheduling.
 
-Modules, bottom up (``core.ray_support`` imports Ray, which is optional): ``errors``,
+Modules, bottom up (``cluster_resolver.ray_support`` imports Ray, which is optional): ``errors``,
 ``shipping`` (pickling functions and arguments for the workers), ``actors`` (the parameter
 server and worker actor classes), ``worker_runtime`` (what runs a closure inside a worker),
 ``ps_variables`` (the coordinator's handles on parameter-server values), ``cluster`` (starting and

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from jaxmirror.core import ray_support
+from jaxmirror.cluster_resolver import ray_support
 from jaxmirror.coordinator.actors import ParameterServer, Worker
 
 _REMOTE_CLASSES: dict = {}

@@ -15,7 +15,7 @@ import threading
 
 from jaxmirror.coordinator.errors import UnavailableError, with_remote_traceback
 from jaxmirror.coordinator.ps_variables import coordinator_writes, ps_unavailable
-from jaxmirror.core import ray_support
+from jaxmirror.cluster_resolver import ray_support
 
 MAX_ATTEMPTS = 5  # a function that kills its worker every time is an error, not a loop
 

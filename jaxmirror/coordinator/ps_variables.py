@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmirror.coordinator import shipping, worker_runtime
-from jaxmirror.core import ray_support
+from jaxmirror.cluster_resolver import ray_support
 from jaxmirror.coordinator.errors import UnavailableError
 from jaxmirror.core.reduce_op import as_aggregation, as_synchronization
 from jaxmirror.variables.handle import VariableHandle

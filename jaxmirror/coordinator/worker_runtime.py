@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmirror.core import ray_support
+from jaxmirror.cluster_resolver import ray_support
 from jaxmirror.core.values import DistributedValues
 from jaxmirror.variables.handle import VariableHandle
 from jaxmirror.variables.variable import Variable
