@@ -262,7 +262,14 @@ def test_a_killed_worker_still_gives_one_update_per_closure(strategy, coordinato
     assert cluster.worker_pids()[0] != pid  # replaced
 
 
-def _increments_with_death_after_push(strategy, coordinator, dedup: bool) -> float:
+def _counts(cluster) -> dict:
+    import ray
+    counts = ray.get([p.counts.remote() for p in cluster.ps])
+    return {k: sum(c[k] for c in counts) for k in counts[0]}
+
+
+def _increments_with_death_after_push(strategy, coordinator, dedup: bool) -> tuple:
+    """(the counter after 12 increments, closures the parameter servers got pushed twice)."""
     cluster = strategy.extended.ray_cluster
     import ray
     with strategy.scope():
@@ -272,23 +279,106 @@ def _increments_with_death_after_push(strategy, coordinator, dedup: bool) -> flo
         counter.assign_add(1.0)
 
     ray.get([p.set_deduplication.remote(dedup) for p in cluster.ps])
+    before = _counts(cluster)["pushed_again"]
+    pid = cluster.worker_pids()[0]
     try:
-        ray.get(cluster.workers[0].exit_after_pushes.remote(3))
+        # Worker 0 gets the first closure (the least loaded worker, lowest index, first) and
+        # exits right after pushing its changes.
+        ray.get(cluster.workers[0].exit_after_pushes.remote(1))
         rvs = [coordinator.schedule(increment) for _ in range(12)]
         joined(coordinator)
         assert all(rv.fetch() is None for rv in rvs)
-        return float(counter.numpy())
+        assert cluster.worker_pids()[0] != pid  # it did die, and was replaced
+        again = _counts(cluster)["pushed_again"] - before
+        return float(counter.numpy()), again
     finally:
         ray.get([p.set_deduplication.remote(True) for p in cluster.ps])
 
 
 def test_a_worker_dying_after_its_push_is_deduplicated(strategy, coordinator):
-    assert _increments_with_death_after_push(strategy, coordinator, dedup=True) == 12.0
+    total, again = _increments_with_death_after_push(strategy, coordinator, dedup=True)
+    assert again >= 1  # the death came after a push: its closures were re-run and pushed again
+    assert total == 12.0
 
 
 def test_without_deduplication_the_same_death_counts_twice(strategy, coordinator):
-    # What the previous test guards against: the re-run closure's update applied again.
-    assert _increments_with_death_after_push(strategy, coordinator, dedup=False) == 13.0
+    # What the previous test guards against: the re-run closures' updates applied again.
+    total, again = _increments_with_death_after_push(strategy, coordinator, dedup=False)
+    assert again >= 1
+    assert total == 12.0 + again
+
+
+def test_a_worker_idle_since_its_last_push_reads_the_other_workers_changes(strategy,
+                                                                           coordinator):
+    # The values a push brings back are fresh only for a call queued right behind it.
+    with strategy.scope():
+        v = jm.Variable(0.0)
+
+    def slow_add():
+        time.sleep(0.5)
+        v.assign_add(100.0)
+
+    coordinator.schedule(lambda: v.assign_add(1.0))  # worker 0: the least loaded, first
+    coordinator.schedule(slow_add)  # worker 1, pushing after worker 0's push came back
+    joined(coordinator)
+    read = coordinator.schedule(lambda: v.read_value())  # worker 0 again, idle since
+    assert float(read.fetch(timeout=TIMEOUT)) == 101.0
+
+
+def _batched_coordinator(resolver, fresh_reads):
+    s = jm.experimental.ParameterServerStrategy(resolver)
+    c = ClusterCoordinator(s, max_closures_per_call=8, fresh_reads=fresh_reads)
+    with s.scope():
+        v = jm.Variable(0.0)  # on parameter server 0
+    return s, c, v
+
+
+@pytest.mark.parametrize("fresh_reads", [True, False])
+def test_closures_per_call_and_messages_per_closure(resolver, fresh_reads):
+    s, c, v = _batched_coordinator(resolver, fresh_reads)
+    cluster = s.extended.ray_cluster
+    try:
+        def add():
+            time.sleep(0.01)
+            v.assign_add(1.0)
+            return v.read_value()
+
+        before = _counts(cluster)["pushes"]
+        seen = [c.schedule(add) for _ in range(40)]
+        joined(c)
+        pushes = _counts(cluster)["pushes"] - before
+        assert float(v.numpy()) == 40.0  # each closure's change applied once
+        reads = [float(rv.fetch()) for rv in seen]
+        assert all(1.0 <= r <= 40.0 for r in reads)
+        if fresh_reads:  # TF's way: every closure sends its change when it ends
+            assert pushes == 40
+            # and starts from the servers' values: the last one to start missed at most the
+            # one closure running on the other worker.
+            assert max(reads) >= 39.0
+        else:  # a call's closures send theirs together
+            assert pushes < 20
+        # A worker killed with calls of several closures in flight: still one change each.
+        c.schedule(lambda: time.sleep(0.2))
+        more = [c.schedule(add) for _ in range(30)]
+        time.sleep(0.1)
+        os.kill(cluster.worker_pids()[0], signal.SIGKILL)
+        joined(c)
+        assert float(v.numpy()) == 70.0
+        assert all(rv.fetch() is not None for rv in more)
+    finally:
+        cluster.close()
+
+
+def test_coordinator_settings_are_checked(strategy, coordinator):
+    with pytest.raises(ValueError, match="`max_closures_per_call` must be an integer >= 1, "
+                                         "got 0"):
+        ClusterCoordinator(strategy, max_closures_per_call=0)
+    with pytest.raises(TypeError, match="`fresh_reads` must be True or False, got 'yes'"):
+        ClusterCoordinator(strategy, fresh_reads="yes")
+    with pytest.raises(ValueError, match="already has a coordinator.*'max_in_flight': 2, "
+                                         "'max_closures_per_call': 8, 'fresh_reads': True"):
+        ClusterCoordinator(strategy, fresh_reads=False)
+    assert ClusterCoordinator(strategy, 2, 8, True) is coordinator
 
 
 def test_a_killed_ps_gives_a_clear_error(resolver):

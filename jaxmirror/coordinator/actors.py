@@ -12,6 +12,7 @@ import os
 import numpy as np
 
 from jaxmirror.coordinator import worker_runtime
+from jaxmirror.coordinator.shipping import pack, unpack
 
 
 def _apply(values: dict, var_id, kind: str, value) -> None:
@@ -36,10 +37,10 @@ class ParameterServer:
     Example:
         >>> ps = ParameterServer(0)
         >>> ps.create([(7, np.float32(1.0))])
-        >>> ps.push(1, [(7, "add", np.float32(2.0))], [7])[1][0].item()
+        >>> ps.apply_closures([(1, [(7, "add", np.float32(2.0))])], [7])[1][0].item()
         3.0
-        >>> ps.push(1, [(7, "add", np.float32(2.0))], [7])   # closure 1 again: ignored
-        (False, [array(3., dtype=float32)])
+        >>> ps.apply_closures([(1, [(7, "add", np.float32(2.0))])], [7])  # closure 1 again
+        ([False], [array(3., dtype=float32)])
     """
 
     def __init__(self, index: int):
@@ -47,6 +48,8 @@ class ParameterServer:
         self.values: dict = {}
         self.applied: set = set()
         self.deduplicate = True
+        self.reapplied = 0  # closures pushed again (a re-run whose first push had landed)
+        self.pushes = 0
 
     def ping(self) -> int:
         """The process id (also: the actor is up)."""
@@ -57,29 +60,37 @@ class ParameterServer:
         for var_id, value in items:
             self.values[var_id] = np.array(value)
 
-    def pull(self, var_ids) -> list:
-        """The values of ``var_ids``, in order."""
-        return [self.values[i] for i in var_ids]
+    def pull(self, var_ids) -> bytes:
+        """The values of ``var_ids``, in order, ``pack``ed."""
+        return pack([self.values[i] for i in var_ids])
 
-    def push(self, closure_id, updates, pull_ids) -> tuple:
-        """Apply closure ``closure_id``'s updates unless they were applied already.
+    def push(self, payload: bytes) -> bytes:
+        """``apply_closures`` of the ``pack``ed ``(closures, pull_ids)``; its result ``pack``ed."""
+        self.pushes += 1
+        return pack(self.apply_closures(*unpack(payload)))
+
+    def apply_closures(self, closures, pull_ids) -> tuple:
+        """Apply each closure's updates, all of one closure at once, unless already applied.
 
         Args:
-            closure_id: the closure's id.
-            updates: a list of ``(var_id, kind, value)``, kind ``"assign"``, ``"add"``, ``"sub"``.
+            closures: a list of ``(closure_id, updates)``, in the order the closures ran;
+                ``updates`` a list of ``(var_id, kind, value)``, kind ``"assign"``, ``"add"`` or
+                ``"sub"``.
             pull_ids: variables whose values to return after the updates.
 
         Returns:
-            ``(applied, values of pull_ids)``.
+            ``(applied, values of pull_ids)``: ``applied`` a list of bools, one per closure.
         """
-        fresh = closure_id not in self.applied or not self.deduplicate
-        if fresh:
-            staged = dict((i, self.values[i]) for i, _, _ in updates)
-            for var_id, kind, value in updates:
-                _apply(staged, var_id, kind, value)
-            self.values.update(staged)  # all of the closure's updates, or (on error) none
-            self.applied.add(closure_id)
-        return fresh, [self.values[i] for i in pull_ids]
+        applied = []
+        for closure_id, updates in closures:
+            seen = closure_id in self.applied
+            self.reapplied += seen
+            fresh = not seen or not self.deduplicate
+            if fresh:
+                self.update(updates)
+                self.applied.add(closure_id)
+            applied.append(fresh)
+        return applied, [self.values[i] for i in pull_ids]
 
     def update(self, updates) -> None:
         """Apply updates made on the coordinator (no closure; never deduplicated)."""
@@ -91,6 +102,11 @@ class ParameterServer:
     def set_deduplication(self, on: bool) -> None:
         """Testing: turn deduplication by closure id off to see what it prevents."""
         self.deduplicate = bool(on)
+
+    def counts(self) -> dict:
+        """Testing: ``pushes`` (messages received) and ``pushed_again`` (closures pushed a
+        second time: their worker died after the first)."""
+        return {"pushes": self.pushes, "pushed_again": self.reapplied}
 
 
 class Worker:
@@ -116,10 +132,9 @@ class Worker:
         """The process id (also: the actor is up)."""
         return os.getpid()
 
-    def run(self, closure_id, fn_id, fn_blob, args_blob, var_ids, writes):
-        """Run one closure (``worker_runtime.run_closure``)."""
-        return worker_runtime.run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids,
-                                          writes)
+    def run(self, calls, writes, follows, fresh):
+        """Run closures one after another (``worker_runtime.run_closures``)."""
+        return worker_runtime.run_closures(calls, writes, follows, fresh)
 
     def exit_after_pushes(self, count: int) -> None:
         """Testing: exit the process right after the ``count``-th push from now."""

@@ -27,7 +27,8 @@ def _remote(cls):
 def _options(resources: dict | None) -> dict:
     # Actors ask for no CPU by default: a laptop with 2 cores can still hold 2 workers and 2
     # parameter servers. Resources given (num_cpus, num_gpus, memory, resources) are Ray's.
-    options = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0}
+    options = {"num_cpus": 0, "max_restarts": 0, "max_task_retries": 0,
+               "enable_task_events": False}
     options.update(resources or {})
     return options
 

@@ -35,8 +35,20 @@ class ClusterCoordinator:
 
     Args:
         strategy: a ``ParameterServerStrategy``.
-        max_in_flight: functions submitted to each worker at once (more than one lets a worker
-            start the next function without waiting for the coordinator).
+        max_in_flight: calls submitted to each worker at once (more than one lets a worker
+            start the next call without waiting for the coordinator).
+        max_closures_per_call: when functions wait in the queue, up to this many go to a
+            worker in one call (shared fairly among the workers), run there one after another:
+            Ray's per-call costs are paid once for them. Nothing else changes.
+        fresh_reads: ``True`` (TF's behaviour): every function starts from the parameter
+            servers' values and sends its changes when it ends. ``False``: the functions of
+            one call send their changes together when the call ends, one message per
+            parameter server (each function's changes still apply once, on their own), and
+            each starts from the values the one before it left: its own worker's changes but
+            not other workers' since the call began. Fewer messages (several times the
+            closures per second, see ``benchmarks/RESULTS.md``), but staler reads: like
+            having ``max_closures_per_call`` times the workers, so async SGD may need a
+            smaller learning rate.
 
     Raises:
         ValueError: when ``strategy`` is not a ``ParameterServerStrategy``.
@@ -47,17 +59,34 @@ class ClusterCoordinator:
         'ClusterCoordinator'
     """
 
-    def __new__(cls, strategy, max_in_flight: int = 2):
+    def __new__(cls, strategy, max_in_flight: int = 2, max_closures_per_call: int = 8,
+                fresh_reads: bool = True):
         cluster = getattr(getattr(strategy, "extended", None), "ray_cluster", None)
         if cluster is None:
             raise ValueError(f"ClusterCoordinator: `strategy` must be a "
                              f"ParameterServerStrategy, got {type(strategy).__name__}.")
+        for name, value in (("max_in_flight", max_in_flight),
+                            ("max_closures_per_call", max_closures_per_call)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ClusterCoordinator: `{name}` must be an integer >= 1, got "
+                                 f"{value!r}.")
+        if not isinstance(fresh_reads, bool):
+            raise TypeError(f"ClusterCoordinator: `fresh_reads` must be True or False, got "
+                            f"{fresh_reads!r}.")
+        settings = (max_in_flight, max_closures_per_call, fresh_reads)
         existing = strategy.extended.coordinator
         if existing is not None:
+            if existing._settings != settings:
+                names = ("max_in_flight", "max_closures_per_call", "fresh_reads")
+                raise ValueError(
+                    f"ClusterCoordinator: this strategy already has a coordinator, made with "
+                    f"{dict(zip(names, existing._settings))}; got {dict(zip(names, settings))}. "
+                    f"A strategy has one coordinator: use that one.")
             return existing
         self = super().__new__(cls)
         self._strategy = strategy
-        self._dispatcher = Dispatcher(cluster, max_in_flight)
+        self._settings = settings
+        self._dispatcher = Dispatcher(cluster, *settings)
         self._functions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._ids = itertools.count()
         self._base = (uuid.uuid4().int >> 80) << 40  # ids of another coordinator never collide

@@ -1,11 +1,16 @@
 """The closure queue: hands scheduled closures to workers, collects results, survives deaths.
 
-Each worker has up to ``max_in_flight`` closures submitted at once (Ray queues them on the
-actor), so a worker never waits for the coordinator between closures. A thread watches the calls
-in flight. A call on a worker that died fails at once (Ray's restarts are off); its closures go
-back to the front of the queue with the same ids, a replacement worker is started, and the
-closures run there. Parameter servers apply each closure's updates at most once, so a closure
-re-run after its updates landed changes nothing twice.
+Each worker has up to ``max_in_flight`` calls submitted at once (Ray queues them on the actor),
+so a worker never waits for the coordinator between calls. A call carries one closure, or, when
+closures wait in the queue, up to ``max_per_call`` of them (shared fairly among the workers with
+room), which the worker runs one after another: Ray's per-call costs are paid once for them all
+(and, when not ``fresh``, the changes of all go out in one message per parameter server).
+
+A thread watches the calls in flight. A call on a worker that died fails at once (Ray's
+restarts are off); its closures go back to the front of the queue with the same ids, a
+replacement worker is started, and the closures run there. Parameter servers apply each
+closure's updates at most once, so a closure re-run after its updates landed changes nothing
+twice.
 """
 
 from __future__ import annotations
@@ -46,15 +51,21 @@ class Dispatcher:
 
     Args:
         cluster: the ``RayCluster``.
-        max_in_flight: closures submitted to one worker at once.
+        max_in_flight: calls submitted to one worker at once.
+        max_per_call: closures in one call at most.
+        fresh: whether each closure of a call sends its changes and starts from the parameter
+            servers' values (``worker_runtime.run_closures``).
     """
 
-    def __init__(self, cluster, max_in_flight: int = 2):
+    def __init__(self, cluster, max_in_flight: int = 2, max_per_call: int = 8,
+                 fresh: bool = True):
         self._cluster = cluster
+        self._fresh = fresh
         self._max = max_in_flight
+        self._per_call = max_per_call
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
-        self._in_flight: dict = {}  # object ref -> (closure, worker index, generation)
+        self._in_flight: dict = {}  # object ref -> (closures, worker index, generation)
         self._load = [0] * cluster.num_workers
         self._shipped = [set() for _ in range(cluster.num_workers)]
         self._error = None
@@ -109,17 +120,24 @@ class Dispatcher:
             worker = min(range(len(self._load)), key=self._load.__getitem__)
             if self._load[worker] >= self._max:
                 return
-            self._submit(self._queue.popleft(), worker)
+            room = sum(self._max - load for load in self._load)
+            size = min(self._per_call, -(-len(self._queue) // room))
+            self._submit([self._queue.popleft() for _ in range(size)], worker)
 
-    def _submit(self, closure: Closure, worker: int) -> None:
+    def _submit(self, closures: list, worker: int) -> None:
         shipped = self._shipped[worker]
-        blob = None if closure.fn_id in shipped else closure.fn_blob
-        shipped.add(closure.fn_id)
-        closure.attempts += 1
-        ref = self._cluster.workers[worker].run.remote(
-            closure.closure_id, closure.fn_id, blob, closure.args_blob, closure.var_ids,
-            coordinator_writes())
-        self._in_flight[ref] = (closure, worker, self._cluster.generation[worker])
+        calls = []
+        for closure in closures:
+            blob = None if closure.fn_id in shipped else closure.fn_blob
+            shipped.add(closure.fn_id)
+            closure.attempts += 1
+            calls.append((closure.closure_id, closure.fn_id, blob, closure.args_blob,
+                          closure.var_ids))
+        # ``follows``: the worker is busy, so it starts this call right after the one before
+        # and the values that one brought back are fresh.
+        ref = self._cluster.workers[worker].run.remote(calls, coordinator_writes(),
+                                                        self._load[worker] > 0, self._fresh)
+        self._in_flight[ref] = (closures, worker, self._cluster.generation[worker])
         self._load[worker] += 1
 
     def _fail(self, error: BaseException) -> None:
@@ -147,24 +165,30 @@ class Dispatcher:
 
     def _finish(self, ray, ref) -> None:
         try:
-            outcome = ray.get(ref)
+            outcomes = ray.get(ref)
         except ray_support.actor_died_errors() as e:
-            outcome = ("died", str(e))
-        except Exception as e:  # noqa: BLE001 (anything else Ray raises is the closure's end)
-            outcome = ("error", None, f"{type(e).__name__}: {e}", str(e))
+            outcomes = None
+            died = str(e)
+        except Exception as e:  # noqa: BLE001 (anything else Ray raises is the call's end)
+            outcomes = [("error", None, f"{type(e).__name__}: {e}", str(e))]
         with self._cond:
-            closure, worker, generation = self._in_flight.pop(ref)
+            closures, worker, generation = self._in_flight.pop(ref)
             self._load[worker] -= 1
-            self._resolve(closure, worker, generation, outcome)
+            if outcomes is None:
+                self._worker_died(closures, worker, generation, died)
+            else:
+                outcomes = list(outcomes) + [("skipped",)] * (len(closures) - len(outcomes))
+                for closure, outcome in zip(closures, outcomes):
+                    self._resolve(closure, worker, outcome)
             self._fill()
             self._cond.notify_all()
 
-    def _resolve(self, closure, worker, generation, outcome) -> None:
+    def _resolve(self, closure, worker, outcome) -> None:
         kind = outcome[0]
         if kind == "ok":
             closure.value.set_result(outcome[1])
-        elif kind == "died":
-            self._worker_died(closure, worker, generation, outcome[1])
+        elif kind == "skipped":  # after a failed closure of the same call: never started
+            closure.value.cancel()
         elif kind == "ps":
             error = UnavailableError(ps_unavailable(outcome[1], "running a scheduled function",
                                                     outcome[2]))
@@ -180,16 +204,18 @@ class Dispatcher:
             closure.value.set_error(error)
             self._fail(error)
 
-    def _worker_died(self, closure, worker, generation, message) -> None:
+    def _worker_died(self, closures, worker, generation, message) -> None:
         if self._cluster.replace(worker, generation):
             self._shipped[worker] = set()
-        if self._error is not None:  # TF: no re-run once an error is pending
-            closure.value.cancel()
-        elif closure.attempts >= MAX_ATTEMPTS:
-            error = RuntimeError(f"ClusterCoordinator: a scheduled function was started "
-                                 f"{closure.attempts} times and each time its worker died "
-                                 f"(last: {message.splitlines()[0] if message else ''}).")
-            closure.value.set_error(error)
-            self._fail(error)
-        else:
-            self._queue.appendleft(closure)  # same id: its updates apply at most once
+        for closure in reversed(closures):  # back to the front of the queue, in order
+            if self._error is not None:  # TF: no re-run once an error is pending
+                closure.value.cancel()
+            elif closure.attempts >= MAX_ATTEMPTS:
+                error = RuntimeError(
+                    f"ClusterCoordinator: a scheduled function was started {closure.attempts} "
+                    f"times and each time its worker died (last: "
+                    f"{message.splitlines()[0] if message else ''}).")
+                closure.value.set_error(error)
+                self._fail(error)
+            else:
+                self._queue.appendleft(closure)  # same id: its updates apply at most once

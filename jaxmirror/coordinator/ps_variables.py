@@ -13,6 +13,7 @@ import numpy as np
 from jaxmirror.coordinator import shipping, worker_runtime
 from jaxmirror.cluster_resolver import ray_support
 from jaxmirror.coordinator.errors import UnavailableError
+from jaxmirror.coordinator.shipping import unpack
 from jaxmirror.core.reduce_op import as_aggregation, as_synchronization
 from jaxmirror.variables.handle import VariableHandle
 
@@ -144,8 +145,8 @@ class PSVariable(VariableHandle):
         Raises:
             UnavailableError: the parameter server is gone.
         """
-        value, = call_ps(self._spec.ps_index, self._ps.pull.remote([self._spec.var_id]),
-                         f"reading {self._name!r}")
+        value, = unpack(call_ps(self._spec.ps_index, self._ps.pull.remote([self._spec.var_id]),
+                                f"reading {self._name!r}"))
         return jnp.asarray(value)
 
     def _apply(self, method: str, value) -> None:

@@ -4,12 +4,15 @@ A worker keeps one local ``jaxmirror.Variable`` per parameter-server variable it
 made in the worker's own strategy (every device of the worker, one replica each), so
 ``strategy.run`` inside a closure is the ordinary compiled step. A closure:
 
-1. pulls the values of the variables it refers to, one request per parameter server (or takes
-   the values its worker's previous closure pulled back with its updates);
+1. loads the values of the variables it refers to: pulled, one request per parameter server,
+   or the values the worker's previous call brought back with its updates, or (after the first
+   closure of a call) the values the closure before it left;
 2. runs the function;
-3. pushes what it changed, one message per parameter server, tagged with the closure's id:
-   ``assign_add``/``assign_sub`` as the difference from the pulled value (the server adds it to
-   its current value, so concurrent increments add up), ``assign`` as the new value.
+3. notes what it changed, tagged with the closure's id: ``assign_add``/``assign_sub`` as the
+   difference from the value it started from (the server adds it to its current value, so
+   concurrent increments add up), ``assign`` as the new value.
+
+At the end of a call (one or more closures) the notes go out, one message per parameter server.
 
 The objects a scheduled function refers to resolve here, when the worker unpickles it:
 ``local_variable``, ``worker_strategy``, ``resource``.
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmirror.cluster_resolver import ray_support
+from jaxmirror.coordinator.shipping import pack, unpack
 from jaxmirror.core.values import DistributedValues
 from jaxmirror.variables.handle import VariableHandle
 from jaxmirror.variables.variable import Variable
@@ -54,7 +58,7 @@ class _WorkerState:
         self.prefetched_writes = 0  # the coordinator's write count the prefetched values follow
         self.pushes = 0
         self.exit_after_push = None
-        self.dirty = False  # a closure failed: its local writes (and overwrite flags) linger
+        self.current: set = set()  # variables whose local values are current in this call
 
 
 def install(index: int, num_workers: int, ps_handles, strategy_factory) -> None:
@@ -164,26 +168,28 @@ def cached_function(fn_id, blob):
     return fn
 
 
-def _pull(state, var_ids) -> None:
+def _load(state, var_ids) -> None:
+    """Make the local copies of ``var_ids`` current: from the values the last push brought
+    back, else pulled now (one request per parameter server)."""
     ray = ray_support.ray_module()
-    wanted = [i for i in var_ids if i not in state.prefetched]
-    values = dict((i, state.prefetched.pop(i)) for i in var_ids if i in state.prefetched)
+    missing = [i for i in var_ids if i not in state.current]
+    if not missing:
+        return
+    values = dict((i, state.prefetched.pop(i)) for i in missing if i in state.prefetched)
     by_ps: dict = {}
-    for i in wanted:
-        by_ps.setdefault(state.locals[i].spec.ps_index, []).append(i)
+    for i in missing:
+        if i not in values:
+            by_ps.setdefault(state.locals[i].spec.ps_index, []).append(i)
     refs = {ps: state.ps[ps].pull.remote(ids) for ps, ids in by_ps.items()}
     for ps, ref in refs.items():
-        values.update(zip(by_ps[ps], _remote(ray, ref, ps)))
-    state.prefetched.clear()
-    for i in var_ids:
+        values.update(zip(by_ps[ps], unpack(_remote(ray, ref, ps))))
+    for i in missing:
         local = state.locals[i]
         local.pulled = np.asarray(values[i])
-        local.var.watch_overwrites(None)  # the pull itself is no overwrite by the closure
+        local.var.watch_overwrites(None)  # loading is no overwrite by the closure
         local.var.assign(local.pulled, read_value=False)
         local.var.watch_overwrites(local.flag)
-        if state.dirty:
-            local.flag.assign(0, read_value=False)
-    state.dirty = False
+        state.current.add(i)
 
 
 def _remote(ray, ref, ps_index):
@@ -200,6 +206,8 @@ class _ParameterServerGone(Exception):
 
 
 def _updates(state, var_ids) -> dict:
+    """One closure's changes, by parameter server: ``[(var_id, kind, value)]``. The local
+    values stay current: the next closure of the call starts from them."""
     locals_ = [state.locals[i] for i in var_ids]
     finals = jax.device_get([(l.var.read_value(), l.flag.read_value()) for l in locals_])
     by_ps: dict = {}
@@ -214,23 +222,33 @@ def _updates(state, var_ids) -> dict:
             update = ("assign", final)
         else:  # exact for small steps: fl(x - d) - x is computed without rounding
             update = ("add", final - local.pulled)
+        local.pulled = final
         by_ps.setdefault(local.spec.ps_index, []).append((local.spec.var_id,) + update)
     return by_ps
 
 
-def _push(state, closure_id, by_ps, var_ids) -> None:
+def _forget(state, var_ids) -> None:
+    """After a failed closure: its local writes are dropped (reloaded when next used)."""
+    for i in var_ids:
+        local = state.locals.get(i)
+        if local is not None:
+            local.flag.assign(0, read_value=False)
+    state.current.clear()
+    state.prefetched.clear()
+
+
+def _push(state, pending: dict, var_ids) -> None:
+    """Send every closure's changes, one message per parameter server; take back the values
+    of ``var_ids`` that server holds, for the worker's next call."""
     ray = ray_support.ray_module()
-    # Each push also pulls this closure's variables back: the next closure (queued behind this
-    # one on the same worker) starts from them instead of waiting for a pull of its own.
     again: dict = {}
     for i in var_ids:
         again.setdefault(state.locals[i].spec.ps_index, []).append(i)
-    refs = {ps: state.ps[ps].push.remote(closure_id, ups, again.pop(ps, []))
-            for ps, ups in by_ps.items()}
+    refs = {ps: state.ps[ps].push.remote(pack((closures, again.get(ps, []))))
+            for ps, closures in pending.items()}
     for ps, ref in refs.items():
-        _, pulled = _remote(ray, ref, ps)
-        ids = [i for i in var_ids if state.locals[i].spec.ps_index == ps]
-        state.prefetched.update(zip(ids, pulled))
+        _, pulled = unpack(_remote(ray, ref, ps))
+        state.prefetched.update(zip(again.get(ps, []), pulled))
     state.pushes += 1
     if state.exit_after_push is not None and state.pushes >= state.exit_after_push:
         os._exit(1)  # a test's fault: die after pushing, before the coordinator hears back
@@ -247,52 +265,102 @@ def _to_host(result):
         x, (DistributedValues, VariableHandle)))
 
 
-def run_closure(closure_id, fn_id, fn_blob, args_blob, var_ids, writes=0):
-    """Run one scheduled closure in this worker; never raises.
-
-    Args:
-        closure_id: the closure's id (parameter servers apply its updates at most once).
-        fn_id: the function's id; ``fn_blob`` its pickle or ``None`` if this worker has it.
-        fn_blob: see ``fn_id``.
-        args_blob: the pickled ``(args, kwargs)``.
-        var_ids: the parameter-server variables the function and arguments refer to.
-        writes: the coordinator's count of its own writes when it sent the closure
-            (``ps_variables.coordinator_writes``): values pulled back before a newer write are
-            dropped, so the closure sees that write.
-
-    Returns:
-        ``("ok", result)`` with arrays as NumPy arrays, ``("error", exception or None, text,
-        traceback)`` when the function raised, or ``("ps", index, text)`` when a parameter
-        server is gone.
-    """
+def _error_outcome(e: Exception) -> tuple:
     import pickle
-    state = _state()
+    text = "".join(traceback.format_exception(e))
+    try:
+        pickle.dumps(e)
+        error = e
+    except Exception:
+        error = None
+    return ("error", error, f"{type(e).__name__}: {e}", text)
+
+
+def _run_one(state, call, pending: dict):
+    import pickle
+    closure_id, fn_id, fn_blob, args_blob, var_ids = call
     try:
         fn = cached_function(fn_id, fn_blob)
         args, kwargs = pickle.loads(args_blob)
-        if writes != state.prefetched_writes:
-            state.prefetched.clear()
-            state.prefetched_writes = writes
-        _pull(state, var_ids)
+        _load(state, var_ids)
         result = _to_host(fn(*args, **kwargs))
-        by_ps = _updates(state, var_ids)
-        if by_ps:
-            _push(state, closure_id, by_ps, var_ids)
+        for ps, updates in _updates(state, var_ids).items():
+            pending.setdefault(ps, []).append((closure_id, updates))
         return ("ok", result)
     except _ParameterServerGone as e:
-        state.prefetched.clear()
-        state.dirty = True
+        _forget(state, var_ids)
         return ("ps", e.ps_index, str(e))
     except Exception as e:  # the user's error: reported, the worker lives on
+        _forget(state, var_ids)
+        return _error_outcome(e)
+
+
+def _send(state, pending, var_ids, calls, outcomes) -> list:
+    """``_push``; when a parameter server is gone, the closures whose changes were in the
+    messages fail with it."""
+    try:
+        _push(state, pending, var_ids)
+    except _ParameterServerGone as e:
+        _forget(state, var_ids)
+        sent = {cid for closures in pending.values() for cid, _ in closures}
+        return [("ps", e.ps_index, str(e)) if call[0] in sent else outcome
+                for call, outcome in zip(calls, outcomes)]
+    return outcomes
+
+
+def run_closures(calls, writes=0, follows=False, fresh=True) -> list:
+    """Run scheduled closures one after another in this worker; never raises.
+
+    With ``fresh``, each closure sends its changes when it ends (one message per parameter
+    server, which brings the servers' values back), and the next closure starts from those
+    values, as if it had been sent alone. Otherwise each closure starts from the local values
+    the one before it left (its own changes, not other workers'), and the changes of all go out
+    at the end, one message per parameter server, where each closure's changes still apply at
+    most once. The first closure starts from the values the worker's previous call brought back
+    (when ``follows``) or pulls them.
+
+    Args:
+        calls: ``[(closure_id, fn_id, fn_blob, args_blob, var_ids)]``: the closure's id
+            (parameter servers apply its updates at most once); the function's id and its pickle
+            (``None`` if this worker has it); the pickled ``(args, kwargs)``; the
+            parameter-server variables the function and arguments refer to.
+        writes: the coordinator's count of its own writes when it sent the call
+            (``ps_variables.coordinator_writes``): values brought back before a newer write are
+            dropped, so the closures see that write.
+        follows: whether the call was sent while this worker still ran the one before it;
+            otherwise values brought back by that one may be old (the worker was idle), and
+            are dropped.
+        fresh: see above.
+
+    Returns:
+        One outcome per call, in order: ``("ok", result)`` with arrays as NumPy arrays,
+        ``("error", exception or None, text, traceback)`` when the function raised,
+        ``("ps", index, text)`` when a parameter server is gone, ``("skipped",)`` for closures
+        after a failed one (not run).
+    """
+    state = _state()
+    if writes != state.prefetched_writes or not follows:
         state.prefetched.clear()
-        state.dirty = True
-        text = "".join(traceback.format_exception(e))
-        try:
-            pickle.dumps(e)
-            error = e
-        except Exception:
-            error = None
-        return ("error", error, f"{type(e).__name__}: {e}", text)
+        state.prefetched_writes = writes
+    state.current.clear()
+    pending: dict = {}
+    outcomes = []
+    for call in calls:
+        outcomes.append(_run_one(state, call, pending))
+        if outcomes[-1][0] != "ok":
+            break
+        if fresh:
+            if pending:
+                outcomes = _send(state, pending, call[4], calls, outcomes)
+                pending = {}
+            state.current.clear()
+            if outcomes[-1][0] != "ok":
+                break
+    if pending:
+        outcomes = _send(state, pending, sorted({i for c in calls for i in c[4]}), calls,
+                         outcomes)
+    state.current.clear()
+    return outcomes + [("skipped",)] * (len(calls) - len(outcomes))
 
 
 def exit_after_pushes(count: int) -> None:
