@@ -44,6 +44,7 @@ bench: install $(BENCH_STAMP)
 	$(PY) benchmarks/input_pipeline.py --quick
 	$(PY) benchmarks/nnx_step.py --quick
 	$(PY) benchmarks/cross_device_ops.py --quick
+	$(PY) benchmarks/parameter_server.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

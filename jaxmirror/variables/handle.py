@@ -35,36 +35,6 @@ class VariableHandle(ArrayOperators, Identity):
     _aggregation = VariableAggregation.NONE
     _synchronization = VariableSynchronization.AUTO
 
-    @property
-    def name(self) -> str:
-        """The variable's name."""
-        return self._name
-
-    @property
-    def shape(self) -> tuple:
-        """The shape of the whole value."""
-        return self._shape
-
-    @property
-    def dtype(self):
-        """The dtype of the value."""
-        return self._dtype
-
-    @property
-    def trainable(self) -> bool:
-        """Whether training should update this variable."""
-        return self._trainable
-
-    @property
-    def aggregation(self) -> VariableAggregation:
-        """How replica-context assignments are combined."""
-        return self._aggregation
-
-    @property
-    def synchronization(self) -> VariableSynchronization:
-        """When the copies are kept in step."""
-        return self._synchronization
-
     def read_value(self):
         """The current value (``tf.Variable.read_value``).
 

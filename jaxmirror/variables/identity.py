@@ -1,4 +1,5 @@
-"""What TF code asks of a variable's identity: ``v.ref()`` (a hashable key) and ``v.device``.
+"""What TF code asks of a variable besides its value: ``name``, ``shape``, ``dtype``,
+``trainable``, ``synchronization``, ``aggregation``, ``v.ref()`` (a hashable key) and ``v.device``.
 
 A ``tf.Variable`` is not hashable, so TF code keys dicts and sets by ``v.ref()``; jaxmirror's
 variables hash by identity already, and ``ref()`` gives TF's spelling of the same thing.
@@ -7,6 +8,7 @@ variables hash by identity already, and ``ref()`` gives TF's spelling of the sam
 from __future__ import annotations
 
 from jaxmirror.core.devices import tf_name
+from jaxmirror.core.reduce_op import VariableAggregation, VariableSynchronization
 
 
 class Reference:
@@ -49,7 +51,9 @@ class Reference:
 
 
 class Identity:
-    """``ref()``, ``experimental_ref()`` and ``device`` for jaxmirror's variables.
+    """The metadata properties, ``ref()``, ``experimental_ref()`` and ``device`` of jaxmirror's
+    variables and variable handles (which set ``_name``, ``_shape``, ``_dtype``, ``_trainable``,
+    ``_synchronization`` and ``_aggregation``).
 
     Example:
         >>> import jaxmirror
@@ -61,6 +65,36 @@ class Identity:
     """
 
     __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        """The variable's name."""
+        return self._name
+
+    @property
+    def shape(self) -> tuple:
+        """The shape of the value (of each component of a distributed variable)."""
+        return self._shape
+
+    @property
+    def dtype(self):
+        """The dtype of the value."""
+        return self._dtype
+
+    @property
+    def trainable(self) -> bool:
+        """Whether training should update this variable."""
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        """When the components are kept in step (ON_WRITE/AUTO, ON_READ, NONE)."""
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        """How replica-context assignments are combined."""
+        return self._aggregation
 
     def ref(self) -> Reference:
         """A hashable reference to this variable, as TF's ``Variable.ref()``.

@@ -149,36 +149,6 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
 
     # -- properties -----------------------------------------------------------------------------
     @property
-    def name(self) -> str:
-        """The variable's name."""
-        return self._name
-
-    @property
-    def shape(self) -> tuple:
-        """The shape of the value (of each component)."""
-        return self._shape
-
-    @property
-    def dtype(self):
-        """The dtype of the value."""
-        return self._dtype
-
-    @property
-    def trainable(self) -> bool:
-        """Whether training should update this variable."""
-        return self._trainable
-
-    @property
-    def synchronization(self) -> VariableSynchronization:
-        """When the components are kept in step (ON_WRITE/AUTO, ON_READ, NONE)."""
-        return self._synchronization
-
-    @property
-    def aggregation(self) -> VariableAggregation:
-        """How replica-context assignments are combined."""
-        return self._aggregation
-
-    @property
     def distribute_strategy(self):
         """The strategy whose scope made this variable (the default strategy for a plain one)."""
         return self._strategy or context.default_strategy()
