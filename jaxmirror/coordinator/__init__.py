@@ -1,10 +1,12 @@
 """Parameter-server training on Ray: the actors, the closures and their scheduling.
 
 Modules, bottom up (``cluster_resolver.ray_support`` imports Ray, which is optional): ``errors``,
-``shipping`` (pickling functions and arguments for the workers), ``actors`` (the parameter
-server and worker actor classes), ``worker_runtime`` (what runs a closure inside a worker),
-``ps_variables`` (the coordinator's handles on parameter-server values), ``cluster`` (starting and
-replacing actors), ``per_worker`` (per-worker datasets and iterators), ``remote_value``,
-``dispatch`` (the closure queue) and ``cluster_coordinator`` (``ClusterCoordinator``).
+``shipping`` (pickling functions and arguments for the workers), ``nnx_state`` (NNX objects'
+state leaves, and a worker's copy of them), ``actors`` (the parameter server and worker actor
+classes), ``worker_runtime`` (what runs a closure inside a worker), ``ps_variables`` (the
+coordinator's handles on parameter-server values), ``nnx_binding`` (NNX objects whose state is on
+the parameter servers), ``cluster`` (starting and replacing actors), ``per_worker`` (per-worker
+datasets and iterators), ``remote_value``, ``dispatch`` (the closure queue) and
+``cluster_coordinator`` (``ClusterCoordinator``).
 Nothing here imports the strategies; ``strategies.parameter_server`` builds on it.
 """

@@ -9,7 +9,7 @@ import weakref
 
 import jax
 
-from jaxmirror.coordinator import shipping
+from jaxmirror.coordinator import nnx_binding, shipping
 from jaxmirror.coordinator.dispatch import Closure, Dispatcher
 from jaxmirror.coordinator.per_worker import PerWorkerDataset
 from jaxmirror.coordinator.remote_value import RemoteValue
@@ -144,6 +144,7 @@ class ClusterCoordinator:
             raise TypeError(f"ClusterCoordinator.schedule: `kwargs` must be a dict, got "
                             f"{type(kwargs).__name__}.")
         self._dispatcher.done()  # raises a pending error first, as TF's schedule does
+        nnx_binding.before_schedule(self._strategy)
         fn_id, fn_ship = self._shipped_function(fn)
         args_ship = shipping.ship((tuple(args or ()), dict(kwargs or {})))
         var_ids = sorted(set(fn_ship.variables) | set(args_ship.variables))
@@ -157,10 +158,13 @@ class ClusterCoordinator:
     def join(self) -> None:
         """Wait for every scheduled function; raise the first error among them (then cleared).
 
+        The NNX objects of ``strategy.init`` get the parameter servers' values.
+
         Returns:
             ``None``.
         """
         self._dispatcher.join()
+        nnx_binding.after_join(self._strategy)
 
     def done(self) -> bool:
         """Whether every scheduled function has finished (raises a pending error, cleared).

@@ -167,3 +167,31 @@ class PSVariable(VariableHandle):
     def __repr__(self) -> str:
         return (f"<PSVariable {self._name!r} shape={self._shape} "
                 f"dtype={np.dtype(self._dtype).name} on {self.device}>")
+
+
+def read_many(handles) -> list:
+    """The values of parameter-server variables (``PSVariable`` or ``ShardedVariable`` of them),
+    read with one request per parameter server.
+
+    Args:
+        handles: the variables.
+
+    Returns:
+        A list of NumPy arrays, in order.
+
+    Raises:
+        UnavailableError: a parameter server is gone.
+    """
+    parts = [list(getattr(h, "variables", [h])) for h in handles]
+    by_ps: dict = {}
+    for part in parts:
+        for v in part:
+            by_ps.setdefault(v.spec.ps_index, (v._ps, []))[1].append(v.spec.var_id)
+    refs = {ps: actor.pull.remote(ids) for ps, (actor, ids) in by_ps.items()}
+    values = {}
+    for ps, ref in refs.items():
+        ids = by_ps[ps][1]
+        values.update(zip(ids, unpack(call_ps(ps, ref, "reading variables"))))
+    return [np.concatenate([values[v.spec.var_id] for v in part]) if len(part) > 1
+            else values[part[0].spec.var_id] for part in parts]
+

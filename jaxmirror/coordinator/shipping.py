@@ -10,11 +10,13 @@ function.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import pickle
 import sys
 import sysconfig
 import threading
+import weakref
 from typing import NamedTuple
 
 import cloudpickle
@@ -86,6 +88,59 @@ def note_variable(spec: VariableSpec) -> None:
     _local.found[spec.var_id] = spec
 
 
+# Objects that pickle differently for a worker but cannot say so in a ``__reduce__`` of their
+# own (flax NNX objects bound to parameter servers): object -> function giving the reduction.
+_REDUCTIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_REDUCED_TYPES: set = set()
+_GUARDS: list = []
+
+
+def bind_reduction(obj, reduction) -> None:
+    """Pickle ``obj`` for workers as ``reduction()`` says (a ``__reduce__``-style tuple).
+
+    Args:
+        obj: a weakly referable object.
+        reduction: a function of no arguments returning ``(callable, args)``; it may call
+            ``note_variable``.
+
+    Returns:
+        ``None``.
+    """
+    _REDUCTIONS[obj] = reduction
+    _REDUCED_TYPES.add(type(obj))
+
+
+def add_guard(guard) -> None:
+    """Call ``guard(obj)`` for every object pickled for a worker whose type has no reduction
+    bound: it raises to refuse one (an NNX object whose changes a worker would keep to itself).
+
+    Args:
+        guard: a function of one object, returning nothing.
+
+    Returns:
+        ``None``.
+    """
+    if guard not in _GUARDS:
+        _GUARDS.append(guard)
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    def reducer_override(self, obj):
+        if type(obj) in _REDUCED_TYPES:
+            reduction = _REDUCTIONS.get(obj)
+            if reduction is not None:
+                return reduction()
+        for guard in _GUARDS:
+            guard(obj)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getvalue()
+
+
 def _by_value_if_local(obj) -> None:
     # Functions from modules a worker process may not import (a test file, a script next to the
     # notebook) travel by value; library modules travel by reference.
@@ -127,7 +182,7 @@ def ship(obj) -> Shipment:
     for item in obj if isinstance(obj, tuple) else (obj,):
         _by_value_if_local(item)
     with _collecting() as found:
-        blob = cloudpickle.dumps(obj)
+        blob = _dumps(obj)
     return Shipment(blob, dict(found))
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmirror.cluster_resolver import ray_support
+from jaxmirror.coordinator.nnx_state import WorkerObjects
 from jaxmirror.coordinator.shipping import pack, unpack
 from jaxmirror.core.values import DistributedValues
 from jaxmirror.variables.handle import VariableHandle
@@ -59,6 +60,7 @@ class _WorkerState:
         self.pushes = 0
         self.exit_after_push = None
         self.current: set = set()  # variables whose local values are current in this call
+        self.objects: dict = {}  # bundle id -> WorkerObjects (NNX objects on the servers)
 
 
 def install(index: int, num_workers: int, ps_handles, strategy_factory) -> None:
@@ -132,6 +134,27 @@ def local_variable(spec):
     return local.var
 
 
+def nnx_object(bundle_id, graphdef, treedef, leaves, var_ids, index):
+    """The worker's copy of object ``index`` of the NNX objects ``bundle_id`` (made once).
+
+    Args:
+        bundle_id: the objects' id, unique in the coordinator.
+        graphdef: their graph definition.
+        treedef: their state's structure.
+        leaves: ``nnx_state.WorkerObjects``' leaves (the variables already the worker's).
+        var_ids: the parameter-server variables behind them.
+        index: which of the objects.
+
+    Returns:
+        The NNX object.
+    """
+    state = _state()
+    bundle = state.objects.get(bundle_id)
+    if bundle is None:
+        bundle = state.objects[bundle_id] = WorkerObjects(graphdef, treedef, leaves, var_ids)
+    return bundle.objects[index]
+
+
 def resource(resource_id, make):
     """A per-worker resource (dataset, iterator), made here on first use by ``make()``.
 
@@ -186,9 +209,8 @@ def _load(state, var_ids) -> None:
     for i in missing:
         local = state.locals[i]
         local.pulled = np.asarray(values[i])
-        local.var.watch_overwrites(None)  # loading is no overwrite by the closure
-        local.var.assign(local.pulled, read_value=False)
-        local.var.watch_overwrites(local.flag)
+        with local.var.overwrites_unwatched():  # loading is no overwrite by the closure
+            local.var.assign(local.pulled, read_value=False)
         state.current.add(i)
 
 
@@ -283,7 +305,12 @@ def _run_one(state, call, pending: dict):
         fn = cached_function(fn_id, fn_blob)
         args, kwargs = pickle.loads(args_blob)
         _load(state, var_ids)
+        objects = [b for b in state.objects.values() if b.var_ids <= set(var_ids)]
+        for bundle in objects:
+            bundle.load()
         result = _to_host(fn(*args, **kwargs))
+        for bundle in objects:
+            bundle.store()
         for ps, updates in _updates(state, var_ids).items():
             pending.setdefault(ps, []).append((closure_id, updates))
         return ("ok", result)

@@ -16,17 +16,19 @@ import numpy as np
 
 from jaxmirror.cluster_resolver.base import ClusterResolver
 from jaxmirror.cluster_resolver.ray_cluster import RayClusterResolver
-from jaxmirror.coordinator import shipping, worker_runtime
+from jaxmirror.coordinator import nnx_binding, shipping, worker_runtime
 from jaxmirror.coordinator.cluster import RayCluster
 from jaxmirror.coordinator.per_worker import DistributeOnWorkers
 from jaxmirror.coordinator.ps_variables import PSVariable, call_ps, ps_device
 from jaxmirror.core import devices as devices_lib
 from jaxmirror.strategies.extended import StrategyExtended
 from jaxmirror.strategies.mirrored import MirroredStrategy
+from jaxmirror.step.graphs import is_graph_node
 from jaxmirror.strategies.strategy import Strategy
 from jaxmirror.variables import creation
 from jaxmirror.variables.partitioners import num_shards, shard_sizes
 from jaxmirror.variables.sharded import ShardedVariable
+from jaxmirror.variables.variable import Variable
 
 
 class WorkerStrategy(MirroredStrategy):
@@ -249,6 +251,43 @@ class ParameterServerStrategy(Strategy):
         """
         raise RuntimeError("ParameterServerStrategy.run: call it inside a function passed to "
                            "ClusterCoordinator.schedule, which runs it on a worker.")
+
+    def init(self, fn, *args, **kwargs):
+        """Build a model's state on the parameter servers (what ``scope()`` does for a Keras
+        model's variables in TF).
+
+        ``fn(*args, **kwargs)`` runs here, on the coordinator. The NNX objects it returns (a
+        model, its ``nnx.Optimizer``, built together so shared parts stay shared) come back as
+        NNX objects whose numeric state lives in parameter-server variables (split by the
+        strategy's partitioner; PRNG keys stay with each worker). In a scheduled function they
+        are the worker's copies: loaded from the parameter servers as the function starts, and
+        what the function changed (``optimizer.update(model, grads)``, BatchNorm statistics)
+        sent back as differences when it ends, so concurrent steps add up and each closure's
+        changes land exactly once. The coordinator's objects get the servers' values at every
+        ``ClusterCoordinator.join()``; changes made to them here (a restored checkpoint) go to
+        the servers at the next ``join()`` or the first ``schedule`` after one. Other arrays
+        ``fn`` returns (a Linen model's params) come back as parameter-server variables.
+
+        Args:
+            fn: builds the objects (``lambda: (m := Model(rngs=nnx.Rngs(0)),
+                nnx.Optimizer(m, optax.adam(1e-3), wrt=nnx.Param))``).
+            *args: ``fn``'s positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            What ``fn`` returns, its state on the parameter servers.
+
+        Example:
+            (a Ray cluster; see the class example)
+            >>> ParameterServerStrategy.init.__name__
+            'init'
+        """
+        built = fn(*args, **kwargs)
+        nnx_binding.bind(self, built)
+        with self.scope():
+            return jax.tree.map(
+                lambda x: Variable(np.asarray(x)) if isinstance(x, (jax.Array, np.ndarray))
+                else x, built, is_leaf=is_graph_node)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """A dataset to distribute on each worker: pass it to

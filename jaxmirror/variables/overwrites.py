@@ -9,6 +9,8 @@ not only on the call that traced the step.
 
 from __future__ import annotations
 
+import contextlib
+
 
 class OverwriteWatch:
     """Mixin of ``jaxmirror.Variable``: an optional flag that every ``assign`` sets to 1.
@@ -61,3 +63,28 @@ class OverwriteWatch:
         """
         if method == "assign" and self._overwrite_flag is not None:
             self._overwrite_flag.assign(1, read_value=False)
+
+    @contextlib.contextmanager
+    def overwrites_unwatched(self):
+        """A context in which this variable's assignments do not set its flag.
+
+        For writes that are not the closure's own overwrites: loading values into the copy, or
+        copying an object's state into it (then sent as a difference, as increments are).
+
+        Returns:
+            A context manager.
+
+        Example:
+            >>> import jaxmirror
+            >>> v, flag = jaxmirror.Variable(1.0), jaxmirror.Variable(0)
+            >>> v.watch_overwrites(flag)
+            >>> with v.overwrites_unwatched():
+            ...     _ = v.assign(4.0)
+            >>> int(flag.numpy()), float(v.numpy())
+            (0, 4.0)
+        """
+        flag, self._overwrite_flag = self._overwrite_flag, None
+        try:
+            yield
+        finally:
+            self._overwrite_flag = flag

@@ -1,0 +1,157 @@
+"""The coordinator's side of NNX objects on parameter servers (``ParameterServerStrategy.init``).
+
+The coordinator keeps the objects ``init`` returned (for evaluating, saving, inspecting them)
+and a parameter-server variable per numeric state leaf. Pickled for a worker, an object becomes
+a reference to the worker's copy (``worker_runtime.nnx_object``). The coordinator's objects get
+the servers' values at every ``ClusterCoordinator.join()``; changes made to them on the
+coordinator after that are sent to the servers before the next closure is scheduled.
+
+An NNX object not made by ``init`` would be a private copy in each worker, its changes never
+seen anywhere else: scheduling a function that refers to one is an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmirror.coordinator import nnx_state, shipping, worker_runtime
+from jaxmirror.coordinator.ps_variables import read_many
+from jaxmirror.step.graphs import is_graph_node
+from jaxmirror.variables.variable import Variable
+
+_ids = itertools.count()
+_BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # object -> ref to Bundle
+_BY_STRATEGY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # strategy -> Bundles
+
+
+class Bundle:
+    """NNX objects built together and the parameter-server variables holding their state.
+
+    Args:
+        objects: the coordinator's objects.
+        strategy: the ``ParameterServerStrategy``; variables are made in its scope.
+
+    Example:
+        (made by ``ParameterServerStrategy.init``)
+        >>> Bundle.__name__
+        'Bundle'
+    """
+
+    def __init__(self, objects: tuple, strategy):
+        self.bundle_id = next(_ids)
+        self.objects = objects
+        self.graphdef, self.treedef, leaves = nnx_state.split_objects(objects)
+        self.leaves = []
+        with strategy.scope():
+            for path, kind, value in leaves:
+                if nnx_state.is_numeric(value):
+                    var = Variable(nnx_state.as_host(value), trainable=kind == "Param",
+                                   name=f"{type(objects[0]).__name__}{path}")
+                    self.leaves.append(("variable", var))
+                else:
+                    self.leaves.append(("key", value))
+        self.var_ids = [part.spec.var_id for var in self.variables()
+                        for part in getattr(var, "variables", [var])]
+        self.synced = nnx_state.leaf_values(objects)  # what the servers were last given
+        self.unchecked = True  # the objects may have changed on the coordinator since
+
+    def variables(self) -> list:
+        """The parameter-server variables, in leaf order."""
+        return [x for kind, x in self.leaves if kind == "variable"]
+
+    def reduction(self, index: int) -> tuple:
+        """How object ``index`` pickles for a worker (its variables are noted as they pickle)."""
+        return (worker_runtime.nnx_object, (self.bundle_id, self.graphdef, self.treedef,
+                                            self.leaves, self.var_ids, index))
+
+    def refresh(self) -> None:
+        """Give the coordinator's objects the servers' values (at ``join``)."""
+        self.send_changes()  # a change made on the coordinator meanwhile is a write: it wins
+        values = iter(read_many(self.variables()))
+        new = [jnp.asarray(next(values)) if kind == "variable" else x for kind, x in self.leaves]
+        nnx.update(self.objects, nnx_state.state_of(self.treedef, new))
+        self.synced = nnx_state.leaf_values(self.objects)
+        self.unchecked = True
+
+    def send_changes(self) -> None:
+        """Send the values changed on the coordinator since the last sync to the servers."""
+        now = nnx_state.leaf_values(self.objects)
+        for (kind, var), old, new in zip(self.leaves, self.synced, now):
+            if kind == "variable" and new is not old:
+                var.assign(nnx_state.as_host(new), read_value=False)
+        self.synced = now
+        self.unchecked = False
+
+
+def bind(strategy, built):
+    """Put the numeric state of the NNX objects in ``built`` on the parameter servers.
+
+    Args:
+        strategy: the ``ParameterServerStrategy``.
+        built: what ``init``'s function returned (its NNX objects are bound in place).
+
+    Returns:
+        The ``Bundle``, or ``None`` when ``built`` holds no NNX object.
+    """
+    objects = tuple(nnx_state.find_objects(built))
+    if not objects:
+        return None
+    bundle = Bundle(objects, strategy)
+    # Held by its strategy only: entries keyed weakly by the objects must not keep them alive.
+    ref = weakref.ref(bundle)
+    for index, obj in enumerate(objects):
+        _BOUND[obj] = ref
+        shipping.bind_reduction(obj, lambda index=index: ref().reduction(index))
+    _BY_STRATEGY.setdefault(strategy, []).append(bundle)
+    return bundle
+
+
+def before_schedule(strategy) -> None:
+    """Send what changed on the coordinator since the last ``join()`` (once after each).
+
+    Args:
+        strategy: the ``ParameterServerStrategy``.
+
+    Returns:
+        ``None``.
+    """
+    for bundle in _BY_STRATEGY.get(strategy, ()):
+        if bundle.unchecked:
+            bundle.send_changes()
+
+
+def after_join(strategy) -> None:
+    """Give the coordinator's objects the parameter servers' values.
+
+    Args:
+        strategy: the ``ParameterServerStrategy``.
+
+    Returns:
+        ``None``.
+    """
+    for bundle in _BY_STRATEGY.get(strategy, ()):
+        bundle.refresh()
+
+
+def refuse_unbound(obj) -> None:
+    """A ``shipping`` guard: an NNX object not made by ``ParameterServerStrategy.init``.
+
+    Raises:
+        ValueError: saying how to make it.
+    """
+    if is_graph_node(obj) and (obj not in _BOUND or _BOUND[obj]() is None):
+        raise ValueError(
+            f"ClusterCoordinator.schedule: the function or its arguments refer to an NNX "
+            f"object ({type(obj).__name__}) that is not on the parameter servers: each worker "
+            f"would change a copy of its own, and the changes would be lost. Build it with "
+            f"strategy.init(lambda: ...) (for example strategy.init(lambda: (m := Model("
+            f"rngs=nnx.Rngs(0)), nnx.Optimizer(m, optax.adam(1e-3), wrt=nnx.Param)))), which "
+            f"keeps its state on the parameter servers; the objects it returns are updated by "
+            f"every join().")
+
+
+shipping.add_guard(refuse_unbound)
