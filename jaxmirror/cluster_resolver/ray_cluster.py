@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 from jaxmirror.cluster_resolver.base import ClusterResolver
 from jaxmirror.cluster_resolver.cluster_spec import ClusterSpec
@@ -63,12 +64,17 @@ class RayClusterResolver(ClusterResolver):
         ray = ray_support.ray_module()
         self._started_ray = False
         if not ray.is_initialized():
-            if address is None:
-                ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
-                         log_to_driver=True, configure_logging=False)
-                self._started_ray = True
-            else:
-                ray.init(address=address, log_to_driver=True, configure_logging=False)
+            # Ray starts its processes with fork + exec, which is safe in a process where JAX
+            # already runs threads; Python's warning about fork would only alarm.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
+                                        category=RuntimeWarning)
+                if address is None:
+                    ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
+                             log_to_driver=True, configure_logging=False)
+                    self._started_ray = True
+                else:
+                    ray.init(address=address, log_to_driver=True, configure_logging=False)
         self._address = ray.get_runtime_context().gcs_address
         self.task_type, self.task_id = "chief", 0
         self._clusters: list = []

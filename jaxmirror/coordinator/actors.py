@@ -14,6 +14,8 @@ import numpy as np
 from jaxmirror.coordinator import worker_runtime
 from jaxmirror.coordinator.shipping import pack, unpack
 
+FORGET_AT = 1 << 16  # applied closure ids kept before the finished ones are dropped
+
 
 def _apply(values: dict, var_id, kind: str, value) -> None:
     old = values[var_id]
@@ -65,11 +67,12 @@ class ParameterServer:
         return pack([self.values[i] for i in var_ids])
 
     def push(self, payload: bytes) -> bytes:
-        """``apply_closures`` of the ``pack``ed ``(closures, pull_ids)``; its result ``pack``ed."""
+        """``apply_closures`` of the ``pack``ed ``(closures, pull_ids, watermark)``; its result
+        ``pack``ed."""
         self.pushes += 1
         return pack(self.apply_closures(*unpack(payload)))
 
-    def apply_closures(self, closures, pull_ids) -> tuple:
+    def apply_closures(self, closures, pull_ids, watermark=None) -> tuple:
         """Apply each closure's updates, all of one closure at once, unless already applied.
 
         Args:
@@ -77,6 +80,9 @@ class ParameterServer:
                 ``updates`` a list of ``(var_id, kind, value)``, kind ``"assign"``, ``"add"`` or
                 ``"sub"``.
             pull_ids: variables whose values to return after the updates.
+            watermark: the coordinator's oldest unfinished closure id: older ids can never be
+                pushed again (their closures will not re-run), so a large record of applied
+                ids drops them.
 
         Returns:
             ``(applied, values of pull_ids)``: ``applied`` a list of bools, one per closure.
@@ -90,6 +96,8 @@ class ParameterServer:
                 self.update(updates)
                 self.applied.add(closure_id)
             applied.append(fresh)
+        if watermark is not None and len(self.applied) > FORGET_AT:
+            self.applied = {i for i in self.applied if i >= watermark}
         return applied, [self.values[i] for i in pull_ids]
 
     def update(self, updates) -> None:
@@ -132,9 +140,9 @@ class Worker:
         """The process id (also: the actor is up)."""
         return os.getpid()
 
-    def run(self, calls, writes, follows, fresh):
+    def run(self, calls, writes, follows, fresh, watermark):
         """Run closures one after another (``worker_runtime.run_closures``)."""
-        return worker_runtime.run_closures(calls, writes, follows, fresh)
+        return worker_runtime.run_closures(calls, writes, follows, fresh, watermark)
 
     def exit_after_pushes(self, count: int) -> None:
         """Testing: exit the process right after the ``count``-th push from now."""

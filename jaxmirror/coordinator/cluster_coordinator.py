@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import uuid
@@ -163,7 +164,14 @@ class ClusterCoordinator:
         Returns:
             ``None``.
         """
-        self._dispatcher.join()
+        try:
+            self._dispatcher.join()
+        except BaseException:
+            # The closures that did finish count: the objects get their results too, unless
+            # the servers cannot be read (then the closure's error is the one to see).
+            with contextlib.suppress(Exception):
+                nnx_binding.after_join(self._strategy)
+            raise
         nnx_binding.after_join(self._strategy)
 
     def done(self) -> bool:

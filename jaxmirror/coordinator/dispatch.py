@@ -16,10 +16,12 @@ twice.
 from __future__ import annotations
 
 import collections
+import heapq
 import threading
 
 from jaxmirror.coordinator.errors import UnavailableError, with_remote_traceback
 from jaxmirror.coordinator.ps_variables import coordinator_writes, ps_unavailable
+from jaxmirror.coordinator.shipping import unpack
 from jaxmirror.cluster_resolver import ray_support
 
 MAX_ATTEMPTS = 5  # a function that kills its worker every time is an error, not a loop
@@ -66,6 +68,7 @@ class Dispatcher:
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
         self._in_flight: dict = {}  # object ref -> (closures, worker index, generation)
+        self._pending: list = []  # a heap of (closure id, closure), finished ones popped lazily
         self._load = [0] * cluster.num_workers
         self._shipped = [set() for _ in range(cluster.num_workers)]
         self._error = None
@@ -84,6 +87,7 @@ class Dispatcher:
         with self._cond:
             self._raise_pending()
             self._queue.append(closure)
+            heapq.heappush(self._pending, (closure.closure_id, closure))
             self._fill()
             self._cond.notify_all()
 
@@ -122,7 +126,15 @@ class Dispatcher:
                 return
             room = sum(self._max - load for load in self._load)
             size = min(self._per_call, -(-len(self._queue) // room))
+            if self._queue[0].attempts:  # re-run after a death: alone, so attempts are its own
+                size = 1
             self._submit([self._queue.popleft() for _ in range(size)], worker)
+
+    def _watermark(self) -> int:
+        """The oldest closure id not finished: parameter servers may forget older ones."""
+        while self._pending[0][1].value.done():
+            heapq.heappop(self._pending)
+        return self._pending[0][0]
 
     def _submit(self, closures: list, worker: int) -> None:
         shipped = self._shipped[worker]
@@ -136,7 +148,8 @@ class Dispatcher:
         # ``follows``: the worker is busy, so it starts this call right after the one before
         # and the values that one brought back are fresh.
         ref = self._cluster.workers[worker].run.remote(calls, coordinator_writes(),
-                                                        self._load[worker] > 0, self._fresh)
+                                                        self._load[worker] > 0, self._fresh,
+                                                        self._watermark())
         self._in_flight[ref] = (closures, worker, self._cluster.generation[worker])
         self._load[worker] += 1
 
@@ -178,17 +191,38 @@ class Dispatcher:
                 self._worker_died(closures, worker, generation, died)
             else:
                 outcomes = list(outcomes) + [("skipped",)] * (len(closures) - len(outcomes))
+                again = []
                 for closure, outcome in zip(closures, outcomes):
-                    self._resolve(closure, worker, outcome)
+                    if outcome[0] == "missing":  # the worker lacks the function: resend it
+                        self._shipped[worker].discard(closure.fn_id)
+                        again.append(closure)
+                    else:
+                        self._resolve(closure, worker, outcome)
+                for closure in reversed(again):
+                    if self._error is not None:
+                        closure.value.cancel()
+                    else:
+                        closure.attempts -= 1
+                        self._queue.appendleft(closure)
             self._fill()
             self._cond.notify_all()
 
     def _resolve(self, closure, worker, outcome) -> None:
         kind = outcome[0]
         if kind == "ok":
-            closure.value.set_result(outcome[1])
+            try:
+                result = unpack(outcome[1])
+            except Exception as e:  # noqa: BLE001 (a result this process cannot unpickle)
+                error = RuntimeError(f"ClusterCoordinator: the result of a scheduled function "
+                                     f"on worker {worker} cannot be unpickled here: "
+                                     f"{type(e).__name__}: {e}")
+                closure.value.set_error(error)
+                self._fail(error)
+                return
+            closure.value.set_result(result)
         elif kind == "skipped":  # after a failed closure of the same call: never started
             closure.value.cancel()
+
         elif kind == "ps":
             error = UnavailableError(ps_unavailable(outcome[1], "running a scheduled function",
                                                     outcome[2]))
@@ -207,7 +241,9 @@ class Dispatcher:
     def _worker_died(self, closures, worker, generation, message) -> None:
         if self._cluster.replace(worker, generation):
             self._shipped[worker] = set()
-        for closure in reversed(closures):  # back to the front of the queue, in order
+        # Back to the front of the queue, in order; re-sent one per call (``_fill``), so a
+        # function that kills its worker each time is the one that reaches MAX_ATTEMPTS.
+        for closure in reversed(closures):
             if self._error is not None:  # TF: no re-run once an error is pending
                 closure.value.cancel()
             elif closure.attempts >= MAX_ATTEMPTS:

@@ -30,6 +30,19 @@ class CancelledError(concurrent.futures.CancelledError):
     """
 
 
+class OutOfRangeError(Exception):
+    """A scheduled function's ``next(iterator)`` found its per-worker dataset exhausted (TF's
+    ``tf.errors.OutOfRangeError``; the function raised ``StopIteration``).
+
+    Repeat the dataset, or schedule no more steps than it has batches.
+
+    Example:
+        >>> from jaxmirror.coordinator.errors import OutOfRangeError
+        >>> issubclass(OutOfRangeError, StopIteration)
+        False
+    """
+
+
 def with_remote_traceback(error: BaseException, where: str, remote_traceback: str):
     """``error`` with a note holding the traceback it had on the worker.
 

@@ -4,7 +4,8 @@ The coordinator keeps the objects ``init`` returned (for evaluating, saving, ins
 and a parameter-server variable per numeric state leaf. Pickled for a worker, an object becomes
 a reference to the worker's copy (``worker_runtime.nnx_object``). The coordinator's objects get
 the servers' values at every ``ClusterCoordinator.join()``; changes made to them on the
-coordinator after that are sent to the servers before the next closure is scheduled.
+coordinator are sent to the servers at the next ``schedule`` or ``join``, as an assignment
+made there would be.
 
 An NNX object not made by ``init`` would be a private copy in each worker, its changes never
 seen anywhere else: scheduling a function that refers to one is an error.
@@ -16,6 +17,7 @@ import itertools
 import weakref
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxmirror.coordinator import nnx_state, shipping, worker_runtime
@@ -26,6 +28,7 @@ from jaxmirror.variables.variable import Variable
 _ids = itertools.count()
 _BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # object -> ref to Bundle
 _BY_STRATEGY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # strategy -> Bundles
+_ALL: "weakref.WeakSet" = weakref.WeakSet()  # every live Bundle
 
 
 class Bundle:
@@ -54,19 +57,32 @@ class Bundle:
                     self.leaves.append(("variable", var))
                 else:
                     self.leaves.append(("key", value))
-        self.var_ids = [part.spec.var_id for var in self.variables()
-                        for part in getattr(var, "variables", [var])]
-        self.synced = nnx_state.leaf_values(objects)  # what the servers were last given
-        self.unchecked = True  # the objects may have changed on the coordinator since
+        # What a worker is sent: each numeric leaf as the specs of its shards, in order.
+        self.shipped = [("variable", [part.spec for part in getattr(x, "variables", [x])])
+                        if kind == "variable" else (kind, x) for kind, x in self.leaves]
+        self.var_ids = [spec.var_id for kind, specs in self.shipped if kind == "variable"
+                        for spec in specs]
+        # What the servers were last given, per leaf: the array object (a cheap first check)
+        # and its value on the host (nnx.jit gives every leaf a new object, changed or not).
+        self.synced = [(v, nnx_state.as_host(v) if kind == "variable" else None)
+                       for (kind, _), v in zip(self.leaves, nnx_state.leaf_values(objects))]
+        # An nnx.Variable of these objects shipped alone is refused (held here: ids stay valid).
+        self.nnx_variables = {id(node): node for obj in objects
+                              for _, node in nnx.iter_graph(obj)
+                              if isinstance(node, nnx.Variable)}
+        _ALL.add(self)
 
     def variables(self) -> list:
         """The parameter-server variables, in leaf order."""
         return [x for kind, x in self.leaves if kind == "variable"]
 
     def reduction(self, index: int) -> tuple:
-        """How object ``index`` pickles for a worker (its variables are noted as they pickle)."""
+        """How object ``index`` pickles for a worker; notes the variables it needs."""
+        for kind, specs in self.shipped:
+            for spec in specs if kind == "variable" else ():
+                shipping.note_variable(spec)
         return (worker_runtime.nnx_object, (self.bundle_id, self.graphdef, self.treedef,
-                                            self.leaves, self.var_ids, index))
+                                            self.shipped, self.var_ids, index))
 
     def refresh(self) -> None:
         """Give the coordinator's objects the servers' values (at ``join``)."""
@@ -74,17 +90,20 @@ class Bundle:
         values = iter(read_many(self.variables()))
         new = [jnp.asarray(next(values)) if kind == "variable" else x for kind, x in self.leaves]
         nnx.update(self.objects, nnx_state.state_of(self.treedef, new))
-        self.synced = nnx_state.leaf_values(self.objects)
-        self.unchecked = True
+        self.synced = [(v, nnx_state.as_host(v) if kind == "variable" else None)
+                       for (kind, _), v in zip(self.leaves, nnx_state.leaf_values(self.objects))]
 
     def send_changes(self) -> None:
         """Send the values changed on the coordinator since the last sync to the servers."""
         now = nnx_state.leaf_values(self.objects)
-        for (kind, var), old, new in zip(self.leaves, self.synced, now):
-            if kind == "variable" and new is not old:
-                var.assign(nnx_state.as_host(new), read_value=False)
-        self.synced = now
-        self.unchecked = False
+        for i, ((kind, var), (old, old_host), new) in enumerate(
+                zip(self.leaves, self.synced, now)):
+            if kind != "variable" or new is old:
+                continue
+            host = nnx_state.as_host(new)
+            if not np.array_equal(host, old_host, equal_nan=host.dtype.kind in "fc"):
+                var.assign(host, read_value=False)
+            self.synced[i] = (new, host)
 
 
 def bind(strategy, built):
@@ -111,7 +130,8 @@ def bind(strategy, built):
 
 
 def before_schedule(strategy) -> None:
-    """Send what changed on the coordinator since the last ``join()`` (once after each).
+    """Send what changed on the coordinator since the last sync (a cheap check when nothing
+    did: the leaves are the same objects).
 
     Args:
         strategy: the ``ParameterServerStrategy``.
@@ -120,8 +140,7 @@ def before_schedule(strategy) -> None:
         ``None``.
     """
     for bundle in _BY_STRATEGY.get(strategy, ()):
-        if bundle.unchecked:
-            bundle.send_changes()
+        bundle.send_changes()
 
 
 def after_join(strategy) -> None:
@@ -143,6 +162,13 @@ def refuse_unbound(obj) -> None:
     Raises:
         ValueError: saying how to make it.
     """
+    if isinstance(obj, nnx.Variable) and any(b.nnx_variables.get(id(obj)) is obj
+                                             for b in list(_ALL)):
+        raise ValueError(
+            f"ClusterCoordinator.schedule: the function or its arguments refer to a "
+            f"{type(obj).__name__} of an NNX object on the parameter servers on its own: a "
+            f"worker would get a copy of its value now, never updated. Refer to it through its "
+            f"object inside the function (model.kernel[...]), or pass its value as an argument.")
     if is_graph_node(obj) and (obj not in _BOUND or _BOUND[obj]() is None):
         raise ValueError(
             f"ClusterCoordinator.schedule: the function or its arguments refer to an NNX "

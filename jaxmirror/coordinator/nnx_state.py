@@ -11,8 +11,6 @@ keeps the ones it was sent.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,19 +79,22 @@ def leaf_values(objects: tuple) -> list:
     return [v.get_value() for v in jax.tree.leaves(state, is_leaf=_is_variable)]
 
 
-def _local_variables(handle) -> list:
-    return list(handle.variables) if hasattr(handle, "variables") else [handle]
-
-
 class WorkerObjects:
     """A worker's copy of NNX objects whose numeric state is in parameter-server variables.
+
+    The state's values are host arrays kept by the worker for each variable (no
+    ``jaxmirror.Variable`` per leaf): ``load`` puts the values pulled for a closure into the
+    objects in one transfer; ``store`` takes the state the closure left in one transfer and
+    hands each variable its final value, from which the worker sends differences.
 
     Args:
         graphdef: the objects' graph definition.
         treedef: their state's structure.
-        leaves: per state leaf, ``("variable", the worker's copy of its variable)`` (a
-            ``jaxmirror.Variable`` or ``ShardedVariable``) or ``("key", a PRNG key)``.
+        leaves: per state leaf, ``("variable", specs)`` (the ``VariableSpec`` of each shard,
+            in order along axis 0) or ``("key", a PRNG key)``.
         var_ids: the parameter-server variables behind them.
+        values: the worker's records by variable id, with ``pulled`` (read) and ``final``
+            (written) host values.
 
     Example:
         (made in a worker by ``worker_runtime.nnx_object``)
@@ -101,30 +102,35 @@ class WorkerObjects:
         'WorkerObjects'
     """
 
-    def __init__(self, graphdef, treedef, leaves: list, var_ids):
+    def __init__(self, graphdef, treedef, leaves: list, var_ids, values: dict):
         self.treedef = treedef
         self.leaves = leaves
         self.var_ids = frozenset(var_ids)
-        self.objects = nnx.merge(graphdef, state_of(treedef, self._values()))
-
-    def _values(self) -> list:
-        return [x.read_value() if kind == "variable" else x for kind, x in self.leaves]
+        self._values = values
+        zeros = [_whole([np.zeros(sp.shape, sp.dtype) for sp in x]) if kind == "variable" else x
+                 for kind, x in leaves]
+        self.objects = nnx.merge(graphdef, state_of(treedef, zeros))
 
     def load(self) -> None:
-        """Give the objects the values their variables hold now (at a closure's start)."""
-        nnx.update(self.objects, state_of(self.treedef, self._values()))
+        """Give the objects the values pulled for this closure."""
+        values = [_whole([self._values[sp.var_id].pulled for sp in x]) if kind == "variable"
+                  else x for kind, x in self.leaves]
+        nnx.update(self.objects, state_of(self.treedef, jax.device_put(values)))
 
     def store(self) -> None:
-        """Copy the objects' state into their variables (at a closure's end); not as overwrites,
-        so each change goes to the parameter server as a difference."""
-        values = leaf_values(self.objects)
-        with contextlib.ExitStack() as stack:
-            for kind, x in self.leaves:
-                for v in _local_variables(x) if kind == "variable" else ():
-                    stack.enter_context(v.overwrites_unwatched())
-            for (kind, x), value in zip(self.leaves, values):
-                if kind == "variable":
-                    x.assign(value, read_value=False)
+        """Record the state the closure left, as each variable's final value."""
+        values = jax.device_get(leaf_values(self.objects))
+        for (kind, specs), value in zip(self.leaves, values):
+            if kind != "variable":
+                continue
+            cuts = np.cumsum([sp.shape[0] for sp in specs])[:-1] if len(specs) > 1 else []
+            for sp, part in zip(specs, np.split(np.asarray(value), cuts) if len(specs) > 1
+                                else [value]):
+                self._values[sp.var_id].final = np.asarray(part, dtype=sp.dtype)
+
+
+def _whole(parts: list) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def find_objects(tree) -> list:

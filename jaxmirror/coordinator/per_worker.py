@@ -13,6 +13,7 @@ import itertools
 
 from jaxmirror.coordinator import shipping, worker_runtime
 from jaxmirror.data.options import InputContext
+from jaxmirror.data.sources import epoch_factory
 
 _IDS = itertools.count()
 
@@ -90,7 +91,9 @@ def _dataset_here(resource_id, source, num_workers, num_replicas):
 
 
 def _iterator_here(resource_id, dataset):
-    return worker_runtime.resource(resource_id, lambda: iter(dataset))
+    # Whatever the input pipeline takes as a dataset (a generator function too).
+    return worker_runtime.resource(resource_id, lambda: epoch_factory(
+        dataset, "ClusterCoordinator.create_per_worker_dataset")())
 
 
 class PerWorkerValues:

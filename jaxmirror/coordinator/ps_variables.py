@@ -16,6 +16,7 @@ from jaxmirror.coordinator.errors import UnavailableError
 from jaxmirror.coordinator.shipping import unpack
 from jaxmirror.core.reduce_op import as_aggregation, as_synchronization
 from jaxmirror.variables.handle import VariableHandle
+from jaxmirror.variables.variable import Variable
 
 
 _COORDINATOR_WRITES = [0]  # how many writes this process made to parameter servers directly
@@ -194,4 +195,23 @@ def read_many(handles) -> list:
         values.update(zip(ids, unpack(call_ps(ps, ref, "reading variables"))))
     return [np.concatenate([values[v.spec.var_id] for v in part]) if len(part) > 1
             else values[part[0].spec.var_id] for part in parts]
+
+
+def refuse_local_variable(obj) -> None:
+    """A ``shipping`` guard: a ``jaxmirror.Variable`` not on the parameter servers.
+
+    Raises:
+        ValueError: saying to create it in the strategy's scope.
+    """
+    if isinstance(obj, Variable):
+        raise ValueError(
+            f"ClusterCoordinator.schedule: the function or its arguments refer to variable "
+            f"{obj.name!r}, which is not on the parameter servers (it was created outside "
+            f"the ParameterServerStrategy's scope, or by another strategy): each worker would "
+            f"change a copy of its own and the changes would be lost. Create it inside "
+            f"`with strategy.scope():` (metrics too), or pass its value (v.numpy()) as an "
+            f"argument.")
+
+
+shipping.add_guard(refuse_local_variable)
 

@@ -24,11 +24,13 @@ import os
 import sys
 import traceback
 
+import cloudpickle
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxmirror.cluster_resolver import ray_support
+from jaxmirror.coordinator.errors import OutOfRangeError
 from jaxmirror.coordinator.nnx_state import WorkerObjects
 from jaxmirror.coordinator.shipping import pack, unpack
 from jaxmirror.core.values import DistributedValues
@@ -39,10 +41,15 @@ _worker = None  # this process's ``_WorkerState``, installed by the worker actor
 
 
 class _Local:
-    __slots__ = ("var", "flag", "spec", "pulled")
+    """The worker's copy of a parameter-server variable: a ``jaxmirror.Variable`` and its
+    overwrite flag, or (``var`` None: part of an NNX object's state) host values only, which the
+    object reads at a closure's start (``pulled``) and sets at its end (``final``)."""
+
+    __slots__ = ("var", "flag", "spec", "pulled", "final")
 
     def __init__(self, var, flag, spec):
-        self.var, self.flag, self.spec, self.pulled = var, flag, spec, None
+        self.var, self.flag, self.spec = var, flag, spec
+        self.pulled = self.final = None
 
 
 class _WorkerState:
@@ -61,6 +68,7 @@ class _WorkerState:
         self.exit_after_push = None
         self.current: set = set()  # variables whose local values are current in this call
         self.objects: dict = {}  # bundle id -> WorkerObjects (NNX objects on the servers)
+        self.watermark = None  # the coordinator's oldest unfinished closure, for the servers
 
 
 def install(index: int, num_workers: int, ps_handles, strategy_factory) -> None:
@@ -151,7 +159,15 @@ def nnx_object(bundle_id, graphdef, treedef, leaves, var_ids, index):
     state = _state()
     bundle = state.objects.get(bundle_id)
     if bundle is None:
-        bundle = state.objects[bundle_id] = WorkerObjects(graphdef, treedef, leaves, var_ids)
+        # Each worker its own random stream: the keys folded with its index (the counts are
+        # shared, on the parameter servers).
+        leaves = [(kind, jax.random.fold_in(x, state.index)) if kind == "key" else (kind, x)
+                  for kind, x in leaves]
+        for kind, specs in leaves:
+            for spec in specs if kind == "variable" else ():
+                state.locals.setdefault(spec.var_id, _Local(None, None, spec))
+        bundle = state.objects[bundle_id] = WorkerObjects(graphdef, treedef, leaves, var_ids,
+                                                          state.locals)
     return bundle.objects[index]
 
 
@@ -204,13 +220,15 @@ def _load(state, var_ids) -> None:
         if i not in values:
             by_ps.setdefault(state.locals[i].spec.ps_index, []).append(i)
     refs = {ps: state.ps[ps].pull.remote(ids) for ps, ids in by_ps.items()}
+    state.prefetched.clear()  # what this closure did not take is older by now
     for ps, ref in refs.items():
         values.update(zip(by_ps[ps], unpack(_remote(ray, ref, ps))))
     for i in missing:
         local = state.locals[i]
         local.pulled = np.asarray(values[i])
-        with local.var.overwrites_unwatched():  # loading is no overwrite by the closure
-            local.var.assign(local.pulled, read_value=False)
+        if local.var is not None:
+            with local.var.overwrites_unwatched():  # loading is no overwrite by the closure
+                local.var.assign(local.pulled, read_value=False)
         state.current.add(i)
 
 
@@ -231,7 +249,8 @@ def _updates(state, var_ids) -> dict:
     """One closure's changes, by parameter server: ``[(var_id, kind, value)]``. The local
     values stay current: the next closure of the call starts from them."""
     locals_ = [state.locals[i] for i in var_ids]
-    finals = jax.device_get([(l.var.read_value(), l.flag.read_value()) for l in locals_])
+    finals = jax.device_get([(l.final, 0) if l.var is None else
+                             (l.var.read_value(), l.flag.read_value()) for l in locals_])
     by_ps: dict = {}
     for local, (final, flag) in zip(locals_, finals):
         final = np.asarray(final)
@@ -253,7 +272,7 @@ def _forget(state, var_ids) -> None:
     """After a failed closure: its local writes are dropped (reloaded when next used)."""
     for i in var_ids:
         local = state.locals.get(i)
-        if local is not None:
+        if local is not None and local.flag is not None:
             local.flag.assign(0, read_value=False)
     state.current.clear()
     state.prefetched.clear()
@@ -266,8 +285,9 @@ def _push(state, pending: dict, var_ids) -> None:
     again: dict = {}
     for i in var_ids:
         again.setdefault(state.locals[i].spec.ps_index, []).append(i)
-    refs = {ps: state.ps[ps].push.remote(pack((closures, again.get(ps, []))))
+    refs = {ps: state.ps[ps].push.remote(pack((closures, again.get(ps, []), state.watermark)))
             for ps, closures in pending.items()}
+    state.prefetched.clear()
     for ps, ref in refs.items():
         _, pulled = unpack(_remote(ray, ref, ps))
         state.prefetched.update(zip(again.get(ps, []), pulled))
@@ -301,6 +321,8 @@ def _error_outcome(e: Exception) -> tuple:
 def _run_one(state, call, pending: dict):
     import pickle
     closure_id, fn_id, fn_blob, args_blob, var_ids = call
+    if fn_blob is None and fn_id not in state.functions:
+        return ("missing",)  # the coordinator sends the function again
     try:
         fn = cached_function(fn_id, fn_blob)
         args, kwargs = pickle.loads(args_blob)
@@ -308,7 +330,8 @@ def _run_one(state, call, pending: dict):
         objects = [b for b in state.objects.values() if b.var_ids <= set(var_ids)]
         for bundle in objects:
             bundle.load()
-        result = _to_host(fn(*args, **kwargs))
+        # Pickled here: a result that cannot travel fails its closure before its changes count.
+        result = cloudpickle.dumps(_to_host(fn(*args, **kwargs)))
         for bundle in objects:
             bundle.store()
         for ps, updates in _updates(state, var_ids).items():
@@ -317,6 +340,14 @@ def _run_one(state, call, pending: dict):
     except _ParameterServerGone as e:
         _forget(state, var_ids)
         return ("ps", e.ps_index, str(e))
+    except StopIteration as stop:  # a per-worker iterator ran out: TF's OutOfRangeError
+        _forget(state, var_ids)
+        error = OutOfRangeError(
+            f"a scheduled function on worker {state.index} raised StopIteration: its "
+            f"per-worker iterator ran out of data; repeat the dataset, or schedule no more "
+            f"steps than it has batches.")
+        error.__traceback__ = stop.__traceback__
+        return _error_outcome(error)
     except Exception as e:  # the user's error: reported, the worker lives on
         _forget(state, var_ids)
         return _error_outcome(e)
@@ -335,7 +366,7 @@ def _send(state, pending, var_ids, calls, outcomes) -> list:
     return outcomes
 
 
-def run_closures(calls, writes=0, follows=False, fresh=True) -> list:
+def run_closures(calls, writes=0, follows=False, fresh=True, watermark=None) -> list:
     """Run scheduled closures one after another in this worker; never raises.
 
     With ``fresh``, each closure sends its changes when it ends (one message per parameter
@@ -358,22 +389,35 @@ def run_closures(calls, writes=0, follows=False, fresh=True) -> list:
             otherwise values brought back by that one may be old (the worker was idle), and
             are dropped.
         fresh: see above.
+        watermark: the coordinator's oldest unfinished closure id, passed on to the parameter
+            servers (``ParameterServer.apply_closures``).
 
     Returns:
         One outcome per call, in order: ``("ok", result)`` with arrays as NumPy arrays,
         ``("error", exception or None, text, traceback)`` when the function raised,
         ``("ps", index, text)`` when a parameter server is gone, ``("skipped",)`` for closures
-        after a failed one (not run).
+        after a failed one (not run), ``("missing",)`` when this worker lacks the function
+        (the coordinator sends it again).
     """
     state = _state()
+    state.watermark = watermark
     if writes != state.prefetched_writes or not follows:
         state.prefetched.clear()
         state.prefetched_writes = writes
     state.current.clear()
+    for call in calls:  # a function's pickle comes once: keep it even if its closure is skipped
+        if call[2] is not None and call[1] not in state.functions:
+            try:
+                cached_function(call[1], call[2])
+            except Exception:  # noqa: BLE001 (its closure reports it when it runs)
+                pass
     pending: dict = {}
     outcomes = []
     for call in calls:
         outcomes.append(_run_one(state, call, pending))
+        if outcomes[-1][0] == "missing":  # this and the rest go back to the coordinator's queue
+            outcomes += [("missing",)] * (len(calls) - len(outcomes))
+            break
         if outcomes[-1][0] != "ok":
             break
         if fresh:

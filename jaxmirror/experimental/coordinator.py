@@ -7,9 +7,9 @@ Example:
 """
 
 from jaxmirror.coordinator.cluster_coordinator import ClusterCoordinator
-from jaxmirror.coordinator.errors import CancelledError, UnavailableError
+from jaxmirror.coordinator.errors import CancelledError, OutOfRangeError, UnavailableError
 from jaxmirror.coordinator.per_worker import PerWorkerValues
 from jaxmirror.coordinator.remote_value import RemoteValue
 
-__all__ = ["CancelledError", "ClusterCoordinator", "PerWorkerValues", "RemoteValue",
-           "UnavailableError"]
+__all__ = ["CancelledError", "ClusterCoordinator", "OutOfRangeError", "PerWorkerValues",
+           "RemoteValue", "UnavailableError"]

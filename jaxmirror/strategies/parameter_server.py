@@ -252,6 +252,19 @@ class ParameterServerStrategy(Strategy):
         raise RuntimeError("ParameterServerStrategy.run: call it inside a function passed to "
                            "ClusterCoordinator.schedule, which runs it on a worker.")
 
+    def function(self, fn=None, *, donate_argnums=(), steps_per_execution=None,
+                 carry_argnums=()):
+        """Not for the coordinator: schedule plain functions (TF needs a ``tf.function``;
+        jaxmirror compiles ``strategy.run`` inside them, once per worker).
+
+        Raises:
+            ValueError: always, saying what to write instead.
+        """
+        raise ValueError(
+            "ParameterServerStrategy.function: pass the plain Python function to "
+            "ClusterCoordinator.schedule (where TF code has @tf.function, write nothing); "
+            "strategy.run(replica_fn, args=...) inside it is compiled once per worker.")
+
     def init(self, fn, *args, **kwargs):
         """Build a model's state on the parameter servers (what ``scope()`` does for a Keras
         model's variables in TF).
@@ -265,7 +278,7 @@ class ParameterServerStrategy(Strategy):
         sent back as differences when it ends, so concurrent steps add up and each closure's
         changes land exactly once. The coordinator's objects get the servers' values at every
         ``ClusterCoordinator.join()``; changes made to them here (a restored checkpoint) go to
-        the servers at the next ``join()`` or the first ``schedule`` after one. Other arrays
+        the servers at the next ``schedule`` or ``join()``. Other arrays
         ``fn`` returns (a Linen model's params) come back as parameter-server variables.
 
         Args:

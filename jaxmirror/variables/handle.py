@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxmirror.core import _compat
 from jaxmirror.core.reduce_op import VariableAggregation, VariableSynchronization
 from jaxmirror.variables.identity import Identity
 from jaxmirror.variables.operators import ArrayOperators
@@ -95,3 +96,7 @@ class VariableHandle(ArrayOperators, Identity):
         """
         self._apply("assign_sub", self._checked("assign_sub", delta))
         return self if read_value else None
+
+
+# jnp functions and jax.jit take a handle as its value, as they take a Variable.
+_compat.register_array_like(VariableHandle, lambda handle: handle.read_value())
