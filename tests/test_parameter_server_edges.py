@@ -5,6 +5,7 @@ A local Ray runtime (2 workers, 2 PS); the coordinator sends one call at a time 
 (``max_in_flight=1``), so closures queued behind busy workers go out together, in one call.
 """
 
+import itertools
 import os
 import threading
 import time
@@ -26,6 +27,7 @@ from jaxmirror.experimental.coordinator import (
 )
 
 TIMEOUT = 120
+_FN_IDS = itertools.count(10 ** 15)  # function and closure ids no coordinator gives
 
 
 def joined(coordinator, timeout=TIMEOUT):
@@ -112,9 +114,11 @@ def test_a_result_that_cannot_travel_fails_its_closure_only(strategy, coordinato
     assert float(counter.numpy()) == 1.0  # the failed closure's change never landed
 
 
-def test_values_brought_back_earlier_are_not_used_later(strategy, coordinator):
-    # Worker 0 runs g, then f (another variable), then g again, each call right behind the one
-    # before; meanwhile counter gains 100 elsewhere. The second g must start from 101.
+@pytest.mark.parametrize("f_writes", [True, False])
+def test_values_brought_back_earlier_are_not_used_later(strategy, coordinator, f_writes):
+    # Worker 0 runs g, then f (another variable: written, or only read), then g again, each
+    # call right behind the one before; meanwhile counter gains 100 elsewhere. The second g
+    # must start from 101.
     import ray
     with strategy.scope():
         counter = jm.Variable(0.0)
@@ -125,23 +129,27 @@ def test_values_brought_back_earlier_are_not_used_later(strategy, coordinator):
         return counter.read_value()
 
     def f():
-        other.assign_add(1.0)
+        if f_writes:
+            other.assign_add(1.0)
+        return other.read_value()
 
     sg, sf, no_args = shipping.ship(g), shipping.ship(f), shipping.ship(((), {}))
+    g_id, f_id = next(_FN_IDS), next(_FN_IDS)  # ids the coordinator never gives
     worker = strategy.extended.ray_cluster.workers[0]
-    writes, base = coordinator_writes(), 10 ** 15
+    writes = coordinator_writes()
 
-    def run(closure_id, fn_id, shipment, follows):
+    def run(fn_id, shipment, follows):
+        closure_id = next(_FN_IDS)  # never a coordinator's closure id either
         outcome, = ray.get(worker.run.remote(
-            [(base + closure_id, fn_id, shipment.blob, no_args.blob, sorted(shipment.variables))],
-            writes, follows, True, base), timeout=TIMEOUT)
+            [(closure_id, fn_id, shipment.blob, no_args.blob, sorted(shipment.variables))],
+            writes, follows, True, closure_id), timeout=TIMEOUT)
         assert outcome[0] == "ok", outcome
         return shipping.unpack(outcome[1])
 
-    assert float(run(1, 900001, sg, False)) == 1.0
+    assert float(run(g_id, sg, False)) == 1.0
     counter.assign_add(100.0)  # as another worker's push would (the calls carry the old
-    run(2, 900002, sf, True)   # count of coordinator writes, so this is not seen as one)
-    assert float(run(3, 900001, sg, True)) == 102.0
+    run(f_id, sf, True)  # count of coordinator writes: not seen as one)
+    assert float(run(g_id, sg, True)) == 102.0
 
 
 def test_a_function_that_kills_its_worker_each_time_is_the_one_blamed(strategy, coordinator):
@@ -316,3 +324,23 @@ def test_a_worker_without_the_function_asks_for_it_again(monkeypatch):
     assert worker_runtime.run_closures(calls) == [("missing",), ("missing",)]
     outcome, = worker_runtime.run_closures([(1, 7, fn, no_args, [])])
     assert outcome[0] == "ok" and shipping.unpack(outcome[1]) == 5
+
+
+def test_the_users_own_modules_travel_with_their_current_values(strategy, coordinator, tmp_path,
+                                                                 monkeypatch):
+    # A config module changed on the coordinator before scheduling: the workers see the change,
+    # as a tf.function traced on the coordinator would (they need not even import the module).
+    (tmp_path / "ps_trial_config.py").write_text(
+        "CONFIG = {'lr': 0.1}\n\ndef get_lr():\n    return CONFIG['lr']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import ps_trial_config
+    ps_trial_config.CONFIG["lr"] = 0.001
+
+    def read_config():
+        return ps_trial_config.get_lr(), ps_trial_config.CONFIG["lr"]
+
+    assert coordinator.schedule(read_config).fetch(timeout=TIMEOUT) == (0.001, 0.001)
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="cannot send the function or its arguments to the "
+                                        "workers.*lock"):
+        coordinator.schedule(lambda: lock.locked())

@@ -16,6 +16,7 @@ import pickle
 import sys
 import sysconfig
 import threading
+import types
 import weakref
 from typing import NamedTuple
 
@@ -126,6 +127,8 @@ def add_guard(guard) -> None:
 
 class _Pickler(cloudpickle.CloudPickler):
     def reducer_override(self, obj):
+        if isinstance(obj, (types.ModuleType, types.FunctionType, type)):
+            _by_value_if_local(obj)
         if type(obj) in _REDUCED_TYPES:
             reduction = _REDUCTIONS.get(obj)
             if reduction is not None:
@@ -141,12 +144,22 @@ def _dumps(obj) -> bytes:
     return out.getvalue()
 
 
+_CHECKED: set = set()  # module names already sorted into by value / by reference
+
+
 def _by_value_if_local(obj) -> None:
-    # Functions from modules a worker process may not import (a test file, a script next to the
-    # notebook) travel by value; library modules travel by reference.
-    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    # Code from the user's own modules (a script or notebook, a config.py next to it, a test
+    # file) travels by value, with the values its globals have now, as a tf.function's trace
+    # captures them on the coordinator; a worker may not even be able to import those modules.
+    # Library modules (site-packages, the standard library, jaxmirror) travel by reference.
+    module = obj if isinstance(obj, types.ModuleType) else sys.modules.get(
+        getattr(obj, "__module__", None) or "")
+    name = getattr(module, "__name__", None)
+    if module is None or name in _CHECKED:
+        return
+    _CHECKED.add(name)
     path = getattr(module, "__file__", None)
-    if module is None or path is None or module.__name__.split(".")[0] == "jaxmirror":
+    if path is None or name.split(".")[0] == "jaxmirror":
         return
     if not os.path.realpath(path).startswith(_LIBRARY_DIRS):
         cloudpickle.register_pickle_by_value(module)
@@ -182,7 +195,14 @@ def ship(obj) -> Shipment:
     for item in obj if isinstance(obj, tuple) else (obj,):
         _by_value_if_local(item)
     with _collecting() as found:
-        blob = _dumps(obj)
+        try:
+            blob = _dumps(obj)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise type(e)(f"ClusterCoordinator.schedule: cannot send the function or its "
+                          f"arguments to the workers: {e}. A function goes by value, with "
+                          f"what it refers to and the globals of your own modules it uses "
+                          f"(as a tf.function's trace captures them); make what it needs "
+                          f"picklable, or create it inside the function.") from e
     return Shipment(blob, dict(found))
 
 

@@ -287,7 +287,6 @@ def _push(state, pending: dict, var_ids) -> None:
         again.setdefault(state.locals[i].spec.ps_index, []).append(i)
     refs = {ps: state.ps[ps].push.remote(pack((closures, again.get(ps, []), state.watermark)))
             for ps, closures in pending.items()}
-    state.prefetched.clear()
     for ps, ref in refs.items():
         _, pulled = unpack(_remote(ray, ref, ps))
         state.prefetched.update(zip(again.get(ps, []), pulled))
