@@ -62,15 +62,19 @@ class Bundle:
                         if kind == "variable" else (kind, x) for kind, x in self.leaves]
         self.var_ids = [spec.var_id for kind, specs in self.shipped if kind == "variable"
                         for spec in specs]
-        # What the servers were last given, per leaf: the array object (a cheap first check)
-        # and its value on the host (nnx.jit gives every leaf a new object, changed or not).
-        self.synced = [(v, nnx_state.as_host(v) if kind == "variable" else None)
-                       for (kind, _), v in zip(self.leaves, nnx_state.leaf_values(objects))]
-        # An nnx.Variable of these objects shipped alone is refused (held here: ids stay valid).
-        self.nnx_variables = {id(node): node for obj in objects
-                              for _, node in nnx.iter_graph(obj)
-                              if isinstance(node, nnx.Variable)}
+        # The objects' own nnx.Variables, in leaf order: a change made here is seen by the
+        # identity of their raw values, cheaply, before every schedule.
+        self.nnx_vars = nnx_state.variables_of(objects)
+        # What the servers were last given, per leaf: the raw value (that first check) and the
+        # value on the host (nnx.jit gives every leaf a new object, changed or not).
+        self.synced = self._current()
+        # An nnx.Variable of these objects shipped alone is refused.
+        self.nnx_variables = {id(v): v for v in self.nnx_vars}
         _ALL.add(self)
+
+    def _current(self) -> list:
+        return [(v.get_raw_value(), nnx_state.as_host(v.get_value()) if kind == "variable"
+                 else None) for (kind, _), v in zip(self.leaves, self.nnx_vars)]
 
     def variables(self) -> list:
         """The parameter-server variables, in leaf order."""
@@ -90,20 +94,19 @@ class Bundle:
         values = iter(read_many(self.variables()))
         new = [jnp.asarray(next(values)) if kind == "variable" else x for kind, x in self.leaves]
         nnx.update(self.objects, nnx_state.state_of(self.treedef, new))
-        self.synced = [(v, nnx_state.as_host(v) if kind == "variable" else None)
-                       for (kind, _), v in zip(self.leaves, nnx_state.leaf_values(self.objects))]
+        self.synced = self._current()
 
     def send_changes(self) -> None:
         """Send the values changed on the coordinator since the last sync to the servers."""
-        now = nnx_state.leaf_values(self.objects)
-        for i, ((kind, var), (old, old_host), new) in enumerate(
-                zip(self.leaves, self.synced, now)):
-            if kind != "variable" or new is old:
+        for i, ((kind, var), v, (old, old_host)) in enumerate(
+                zip(self.leaves, self.nnx_vars, self.synced)):
+            raw = v.get_raw_value()
+            if kind != "variable" or raw is old:
                 continue
-            host = nnx_state.as_host(new)
+            host = nnx_state.as_host(v.get_value())
             if not np.array_equal(host, old_host, equal_nan=host.dtype.kind in "fc"):
                 var.assign(host, read_value=False)
-            self.synced[i] = (new, host)
+            self.synced[i] = (raw, host)
 
 
 def bind(strategy, built):

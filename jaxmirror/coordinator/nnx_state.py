@@ -66,6 +66,24 @@ def state_of(treedef, values: list):
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
+def variables_of(objects: tuple) -> list:
+    """The objects' own ``nnx.Variable``s, in ``split_objects``' leaf order.
+
+    Args:
+        objects: the NNX objects.
+
+    Returns:
+        A list of ``nnx.Variable`` (the objects', not copies).
+
+    Example:
+        >>> from flax import nnx
+        >>> m = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+        >>> variables_of((m,))[1] is m.kernel
+        True
+    """
+    return jax.tree.leaves(nnx.state(objects), is_leaf=_is_variable)
+
+
 def leaf_values(objects: tuple) -> list:
     """The objects' state leaves now, in ``split_objects``' order.
 
