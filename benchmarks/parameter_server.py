@@ -16,7 +16,7 @@ their changes together):
             so every closure pulls from and pushes to each of them. The rates use noisy
             targets (batches cycled), so ``w`` keeps changing and every closure pushes.
   (nnx)     the same regression as TF's NNX habit: an ``nnx.Linear(16, 1)`` and its
-            ``nnx.Optimizer`` (adam) built by ``strategy.init`` (their 7 state arrays on the
+            ``nnx.Optimizer`` (adam) built by ``strategy.init`` (their 8 state arrays on the
             parameter servers), ``strategy.run(train_step, args=(model, opt, x, y))``.
 
 Method, per W: one ``RayClusterResolver`` and strategy (fresh actors); warm-up (not timed in the
