@@ -6,8 +6,6 @@ Ray process is left.
 
 import os
 import signal
-import subprocess
-import threading
 import time
 
 import jax
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxmirror as jm
+from ps_helpers import TIMEOUT, descendants, joined, local_cluster
 from jaxmirror.coordinator import shipping
 from jaxmirror.experimental import partitioners
 from jaxmirror.experimental.coordinator import (
@@ -25,31 +24,11 @@ from jaxmirror.experimental.coordinator import (
     UnavailableError,
 )
 
-TIMEOUT = 120
-
-
-def joined(coordinator, timeout=TIMEOUT):
-    """coordinator.join(), bounded; re-raises its error."""
-    out = {}
-
-    def run():
-        try:
-            coordinator.join()
-        except BaseException as e:  # noqa: BLE001
-            out["error"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "join() did not return in time"
-    if "error" in out:
-        raise out["error"]
 
 
 @pytest.fixture(scope="module")
 def resolver():
-    r = jm.cluster_resolver.RayClusterResolver(num_workers=2, num_ps=2)
-    yield r
-    r.shutdown()
+    yield from local_cluster()
 
 
 @pytest.fixture(scope="module")
@@ -423,26 +402,10 @@ def test_bad_arguments(strategy, coordinator):
     assert not shipping.shipping()
 
 
-def _descendants() -> list:
-    rows = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True,
-                          text=True).stdout.splitlines()
-    children: dict = {}
-    for row in rows:
-        pid, ppid, args = row.strip().split(None, 2) + [""] * (3 - len(row.strip().split(None, 2)))
-        children.setdefault(int(ppid), []).append((int(pid), args))
-    out, todo = [], [os.getpid()]
-    while todo:
-        for pid, args in children.get(todo.pop(), []):
-            if "pid=,ppid=" not in args:
-                out.append(f"{pid} {args}")
-                todo.append(pid)
-    return out
-
-
 def test_ray_is_gone_after_shutdown(resolver):
-    assert any("raylet" in p or "gcs_server" in p for p in _descendants())  # the check sees Ray
+    assert any("raylet" in p or "gcs_server" in p for p in descendants())  # the check sees Ray
     resolver.shutdown()
     deadline = time.monotonic() + 30
-    while _descendants() and time.monotonic() < deadline:
+    while descendants() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _descendants()
+    assert not descendants()

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import jaxmirror as jm
+from ps_helpers import TIMEOUT, joined, local_cluster
 from jaxmirror.coordinator import actors, shipping, worker_runtime
 from jaxmirror.coordinator.ps_variables import coordinator_writes
 from jaxmirror.experimental.coordinator import (
@@ -26,31 +27,12 @@ from jaxmirror.experimental.coordinator import (
     OutOfRangeError,
 )
 
-TIMEOUT = 120
 _FN_IDS = itertools.count(10 ** 15)  # function and closure ids no coordinator gives
-
-
-def joined(coordinator, timeout=TIMEOUT):
-    out = {}
-
-    def run():
-        try:
-            coordinator.join()
-        except BaseException as e:  # noqa: BLE001
-            out["error"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "join() did not return in time"
-    if "error" in out:
-        raise out["error"]
 
 
 @pytest.fixture(scope="module")
 def resolver():
-    r = jm.cluster_resolver.RayClusterResolver(num_workers=2, num_ps=2)
-    yield r
-    r.shutdown()
+    yield from local_cluster()
 
 
 @pytest.fixture(scope="module")

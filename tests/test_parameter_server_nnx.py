@@ -5,7 +5,6 @@ Every wait is bounded; Ray is shut down by the module fixture.
 
 import os
 import signal
-import threading
 import time
 
 import jax
@@ -16,35 +15,17 @@ import pytest
 from flax import nnx
 
 import jaxmirror as jm
+from ps_helpers import TIMEOUT, joined, local_cluster
 from jaxmirror.coordinator.ps_variables import PSVariable, read_many
 from jaxmirror.experimental import partitioners
 from jaxmirror.experimental.coordinator import ClusterCoordinator
 
-TIMEOUT = 120
 TRUE_W = np.array([[1.0], [-2.0], [3.0], [0.5]], np.float32)
-
-
-def joined(coordinator, timeout=TIMEOUT):
-    out = {}
-
-    def run():
-        try:
-            coordinator.join()
-        except BaseException as e:  # noqa: BLE001
-            out["error"] = e
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "join() did not return in time"
-    if "error" in out:
-        raise out["error"]
 
 
 @pytest.fixture(scope="module")
 def resolver():
-    r = jm.cluster_resolver.RayClusterResolver(num_workers=2, num_ps=2)
-    yield r
-    r.shutdown()
+    yield from local_cluster()
 
 
 @pytest.fixture(scope="module")
