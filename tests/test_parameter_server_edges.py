@@ -19,7 +19,7 @@ from flax import nnx
 
 import jaxmirror as jm
 from ps_helpers import TIMEOUT, joined, local_cluster
-from jaxmirror.coordinator import actors, shipping, worker_runtime
+from jaxmirror.coordinator import actors, closures, shipping, worker_runtime
 from jaxmirror.coordinator.ps_variables import coordinator_writes
 from jaxmirror.experimental.coordinator import (
     CancelledError,
@@ -303,8 +303,8 @@ def test_a_worker_without_the_function_asks_for_it_again(monkeypatch):
     no_args = shipping.ship(((), {})).blob
     fn = shipping.ship(lambda: 5).blob
     calls = [(1, 7, None, no_args, []), (2, 8, fn, no_args, [])]
-    assert worker_runtime.run_closures(calls) == [("missing",), ("missing",)]
-    outcome, = worker_runtime.run_closures([(1, 7, fn, no_args, [])])
+    assert closures.run_closures(calls) == [("missing",), ("missing",)]
+    outcome, = closures.run_closures([(1, 7, fn, no_args, [])])
     assert outcome[0] == "ok" and shipping.unpack(outcome[1]) == 5
 
 

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from jaxmirror.coordinator import worker_runtime
+from jaxmirror.coordinator import closures, worker_runtime
 from jaxmirror.coordinator.shipping import pack, unpack
 
 FORGET_AT = 1 << 16  # applied closure ids kept before the finished ones are dropped
@@ -141,8 +141,8 @@ class Worker:
         return os.getpid()
 
     def run(self, calls, writes, follows, fresh, watermark):
-        """Run closures one after another (``worker_runtime.run_closures``)."""
-        return worker_runtime.run_closures(calls, writes, follows, fresh, watermark)
+        """Run closures one after another (``closures.run_closures``)."""
+        return closures.run_closures(calls, writes, follows, fresh, watermark)
 
     def exit_after_pushes(self, count: int) -> None:
         """Testing: exit the process right after the ``count``-th push from now."""

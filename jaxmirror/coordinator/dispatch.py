@@ -56,7 +56,7 @@ class Dispatcher:
         max_in_flight: calls submitted to one worker at once.
         max_per_call: closures in one call at most.
         fresh: whether each closure of a call sends its changes and starts from the parameter
-            servers' values (``worker_runtime.run_closures``).
+            servers' values (``closures.run_closures``).
     """
 
     def __init__(self, cluster, max_in_flight: int = 2, max_per_call: int = 8,

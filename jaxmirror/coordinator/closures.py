@@ -1,0 +1,250 @@
+"""Running scheduled closures in a worker: load their variables, run, note and send changes.
+
+A call brings one or more closures (``run_closures``). Each loads the values of the variables it
+refers to (pulled, one request per parameter server, or brought back by the previous closure's
+push), runs, and notes its changes as ``assign`` overwrites or differences; the changes go out
+one message per parameter server, after each closure (fresh reads) or after the call.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import cloudpickle
+import jax
+import numpy as np
+
+from jaxmirror.cluster_resolver import ray_support
+from jaxmirror.coordinator.errors import OutOfRangeError
+from jaxmirror.coordinator.shipping import pack, unpack
+from jaxmirror.coordinator.worker_runtime import cached_function, current, worker_strategy
+from jaxmirror.core.values import DistributedValues
+from jaxmirror.variables.handle import VariableHandle
+from jaxmirror.variables.variable import Variable
+
+
+def _load(state, var_ids) -> None:
+    """Make the local copies of ``var_ids`` current: from the values the last push brought
+    back, else pulled now (one request per parameter server)."""
+    ray = ray_support.ray_module()
+    missing = [i for i in var_ids if i not in state.current]
+    if not missing:
+        return
+    values = dict((i, state.prefetched.pop(i)) for i in missing if i in state.prefetched)
+    by_ps: dict = {}
+    for i in missing:
+        if i not in values:
+            by_ps.setdefault(state.locals[i].spec.ps_index, []).append(i)
+    refs = {ps: state.ps[ps].pull.remote(ids) for ps, ids in by_ps.items()}
+    state.prefetched.clear()  # what this closure did not take is older by now
+    for ps, ref in refs.items():
+        values.update(zip(by_ps[ps], unpack(_remote(ray, ref, ps))))
+    for i in missing:
+        local = state.locals[i]
+        local.pulled = np.asarray(values[i])
+        if local.var is not None:
+            with local.var.overwrites_unwatched():  # loading is no overwrite by the closure
+                local.var.assign(local.pulled, read_value=False)
+        state.current.add(i)
+
+
+def _remote(ray, ref, ps_index):
+    try:
+        return ray.get(ref)
+    except ray_support.actor_died_errors() as e:
+        raise _ParameterServerGone(ps_index, str(e)) from None
+
+
+class _ParameterServerGone(Exception):
+    def __init__(self, ps_index, message):
+        super().__init__(message)
+        self.ps_index = ps_index
+
+
+def _updates(state, var_ids) -> dict:
+    """One closure's changes, by parameter server: ``[(var_id, kind, value)]``. The local
+    values stay current: the next closure of the call starts from them."""
+    locals_ = [state.locals[i] for i in var_ids]
+    finals = jax.device_get([(l.final, 0) if l.var is None else
+                             (l.var.read_value(), l.flag.read_value()) for l in locals_])
+    by_ps: dict = {}
+    for local, (final, flag) in zip(locals_, finals):
+        final = np.asarray(final)
+        if int(flag):
+            update = ("assign", final)
+            local.flag.assign(0, read_value=False)
+        elif np.array_equal(final, local.pulled, equal_nan=final.dtype.kind in "fc"):
+            continue
+        elif final.dtype.kind == "b":
+            update = ("assign", final)
+        else:  # exact for small steps: fl(x - d) - x is computed without rounding
+            update = ("add", final - local.pulled)
+        local.pulled = final
+        by_ps.setdefault(local.spec.ps_index, []).append((local.spec.var_id,) + update)
+    return by_ps
+
+
+def _forget(state, var_ids) -> None:
+    """After a failed closure: its local writes are dropped (reloaded when next used)."""
+    for i in var_ids:
+        local = state.locals.get(i)
+        if local is not None and local.flag is not None:
+            local.flag.assign(0, read_value=False)
+    state.current.clear()
+    state.prefetched.clear()
+
+
+def _push(state, pending: dict, var_ids) -> None:
+    """Send every closure's changes, one message per parameter server; take back the values
+    of ``var_ids`` that server holds, for the worker's next call."""
+    ray = ray_support.ray_module()
+    again: dict = {}
+    for i in var_ids:
+        again.setdefault(state.locals[i].spec.ps_index, []).append(i)
+    refs = {ps: state.ps[ps].push.remote(pack((closures, again.get(ps, []), state.watermark)))
+            for ps, closures in pending.items()}
+    for ps, ref in refs.items():
+        _, pulled = unpack(_remote(ray, ref, ps))
+        state.prefetched.update(zip(again.get(ps, []), pulled))
+    state.pushes += 1
+    if state.exit_after_push is not None and state.pushes >= state.exit_after_push:
+        os._exit(1)  # a test's fault: die after pushing, before the coordinator hears back
+
+
+def _to_host(result):
+    def convert(x):
+        if isinstance(x, (Variable, VariableHandle)):  # a variable returned: its value, as TF
+            x = x.read_value()
+        if isinstance(x, DistributedValues):
+            return tuple(np.asarray(c) for c in worker_strategy().experimental_local_results(x))
+        return np.asarray(x) if isinstance(x, jax.Array) else x
+    return jax.tree.map(convert, result, is_leaf=lambda x: isinstance(
+        x, (DistributedValues, VariableHandle)))
+
+
+def _error_outcome(e: Exception) -> tuple:
+    import pickle
+    text = "".join(traceback.format_exception(e))
+    try:
+        pickle.dumps(e)
+        error = e
+    except Exception:
+        error = None
+    return ("error", error, f"{type(e).__name__}: {e}", text)
+
+
+def _run_one(state, call, pending: dict):
+    import pickle
+    closure_id, fn_id, fn_blob, args_blob, var_ids = call
+    if fn_blob is None and fn_id not in state.functions:
+        return ("missing",)  # the coordinator sends the function again
+    try:
+        fn = cached_function(fn_id, fn_blob)
+        args, kwargs = pickle.loads(args_blob)
+        _load(state, var_ids)
+        objects = [b for b in state.objects.values() if b.var_ids <= set(var_ids)]
+        for bundle in objects:
+            bundle.load()
+        # Pickled here: a result that cannot travel fails its closure before its changes count.
+        result = cloudpickle.dumps(_to_host(fn(*args, **kwargs)))
+        for bundle in objects:
+            bundle.store()
+        for ps, updates in _updates(state, var_ids).items():
+            pending.setdefault(ps, []).append((closure_id, updates))
+        return ("ok", result)
+    except _ParameterServerGone as e:
+        _forget(state, var_ids)
+        return ("ps", e.ps_index, str(e))
+    except StopIteration as stop:  # a per-worker iterator ran out: TF's OutOfRangeError
+        _forget(state, var_ids)
+        error = OutOfRangeError(
+            f"a scheduled function on worker {state.index} raised StopIteration: its "
+            f"per-worker iterator ran out of data; repeat the dataset, or schedule no more "
+            f"steps than it has batches.")
+        error.__traceback__ = stop.__traceback__
+        return _error_outcome(error)
+    except Exception as e:  # the user's error: reported, the worker lives on
+        _forget(state, var_ids)
+        return _error_outcome(e)
+
+
+def _send(state, pending, var_ids, calls, outcomes) -> list:
+    """``_push``; when a parameter server is gone, the closures whose changes were in the
+    messages fail with it."""
+    try:
+        _push(state, pending, var_ids)
+    except _ParameterServerGone as e:
+        _forget(state, var_ids)
+        sent = {cid for closures in pending.values() for cid, _ in closures}
+        return [("ps", e.ps_index, str(e)) if call[0] in sent else outcome
+                for call, outcome in zip(calls, outcomes)]
+    return outcomes
+
+
+def run_closures(calls, writes=0, follows=False, fresh=True, watermark=None) -> list:
+    """Run scheduled closures one after another in this worker; never raises.
+
+    With ``fresh``, each closure sends its changes when it ends (one message per parameter
+    server, which brings the servers' values back), and the next closure starts from those
+    values, as if it had been sent alone. Otherwise each closure starts from the local values
+    the one before it left (its own changes, not other workers'), and the changes of all go out
+    at the end, one message per parameter server, where each closure's changes still apply at
+    most once. The first closure starts from the values the worker's previous call brought back
+    (when ``follows``) or pulls them.
+
+    Args:
+        calls: ``[(closure_id, fn_id, fn_blob, args_blob, var_ids)]``: the closure's id
+            (parameter servers apply its updates at most once); the function's id and its pickle
+            (``None`` if this worker has it); the pickled ``(args, kwargs)``; the
+            parameter-server variables the function and arguments refer to.
+        writes: the coordinator's count of its own writes when it sent the call
+            (``ps_variables.coordinator_writes``): values brought back before a newer write are
+            dropped, so the closures see that write.
+        follows: whether the call was sent while this worker still ran the one before it;
+            otherwise values brought back by that one may be old (the worker was idle), and
+            are dropped.
+        fresh: see above.
+        watermark: the coordinator's oldest unfinished closure id, passed on to the parameter
+            servers (``ParameterServer.apply_closures``).
+
+    Returns:
+        One outcome per call, in order: ``("ok", result)`` with arrays as NumPy arrays,
+        ``("error", exception or None, text, traceback)`` when the function raised,
+        ``("ps", index, text)`` when a parameter server is gone, ``("skipped",)`` for closures
+        after a failed one (not run), ``("missing",)`` when this worker lacks the function
+        (the coordinator sends it again).
+    """
+    state = current()
+    state.watermark = watermark
+    if writes != state.prefetched_writes or not follows:
+        state.prefetched.clear()
+        state.prefetched_writes = writes
+    state.current.clear()
+    for call in calls:  # a function's pickle comes once: keep it even if its closure is skipped
+        if call[2] is not None and call[1] not in state.functions:
+            try:
+                cached_function(call[1], call[2])
+            except Exception:  # noqa: BLE001 (its closure reports it when it runs)
+                pass
+    pending: dict = {}
+    outcomes = []
+    for call in calls:
+        outcomes.append(_run_one(state, call, pending))
+        if outcomes[-1][0] == "missing":  # this and the rest go back to the coordinator's queue
+            outcomes += [("missing",)] * (len(calls) - len(outcomes))
+            break
+        if outcomes[-1][0] != "ok":
+            break
+        if fresh:
+            if pending:
+                outcomes = _send(state, pending, call[4], calls, outcomes)
+                pending = {}
+            state.current.clear()
+            if outcomes[-1][0] != "ok":
+                break
+    if pending:
+        outcomes = _send(state, pending, sorted({i for c in calls for i in c[4]}), calls,
+                         outcomes)
+    state.current.clear()
+    return outcomes + [("skipped",)] * (len(calls) - len(outcomes))
