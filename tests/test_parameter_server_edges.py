@@ -308,21 +308,21 @@ def test_a_worker_without_the_function_asks_for_it_again(monkeypatch):
     assert outcome[0] == "ok" and shipping.unpack(outcome[1]) == 5
 
 
-def test_the_users_own_modules_travel_with_their_current_values(strategy, coordinator, tmp_path,
-                                                                 monkeypatch):
-    # A config module changed on the coordinator before scheduling: the workers see the change,
-    # as a tf.function traced on the coordinator would (they need not even import the module).
-    (tmp_path / "ps_trial_config.py").write_text(
-        "CONFIG = {'lr': 0.1}\n\ndef get_lr():\n    return CONFIG['lr']\n")
+def test_what_travels_by_value_and_what_is_imported(tmp_path, monkeypatch):
+    # A function of the user's own module travels by value with the globals it uses; a module
+    # it refers to is imported on the worker, so unrelated globals there (a lock) do not matter.
+    (tmp_path / "ps_local_helpers.py").write_text(
+        "import threading\nLOCK = threading.Lock()\nSCALE = 3\n\n"
+        "def scale(x):\n    return SCALE * x\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    import ps_trial_config
-    ps_trial_config.CONFIG["lr"] = 0.001
-
-    def read_config():
-        return ps_trial_config.get_lr(), ps_trial_config.CONFIG["lr"]
-
-    assert coordinator.schedule(read_config).fetch(timeout=TIMEOUT) == (0.001, 0.001)
+    import ps_local_helpers
+    import cloudpickle
+    shipped = shipping.ship(ps_local_helpers.scale)  # by value: no worker can import it
+    assert cloudpickle.loads(shipped.blob)(2) == 6
+    shipping.ship(lambda: ps_local_helpers.scale(1))  # the module by reference: no lock pickled
     lock = threading.Lock()
     with pytest.raises(TypeError, match="cannot send the function or its arguments to the "
                                         "workers.*lock"):
-        coordinator.schedule(lambda: lock.locked())
+        shipping.ship(lambda: lock.locked())
+    assert not any(m in ("numpy", "jax", "flax") for m in cloudpickle.list_registry_pickle_by_value())
+

@@ -25,6 +25,15 @@ def _apply(values: dict, var_id, kind: str, value) -> None:
         new = (old + value).astype(old.dtype, copy=False)
     elif kind in ("sub", "assign_sub"):
         new = (old - value).astype(old.dtype, copy=False)
+    elif kind == "add_or_set":
+        # A difference that does not give the worker's value back exactly (rounding, inf or
+        # NaN): the worker's value when nobody else changed the variable since its read, else
+        # the difference added to the other changes.
+        delta, pulled, final = value
+        if np.array_equal(old, pulled, equal_nan=old.dtype.kind in "fc"):
+            new = np.array(final, dtype=old.dtype)
+        else:
+            new = (old + delta).astype(old.dtype, copy=False)
     else:
         raise ValueError(f"ParameterServer: unknown update kind {kind!r}.")
     values[var_id] = np.asarray(new).reshape(old.shape)
@@ -77,8 +86,9 @@ class ParameterServer:
 
         Args:
             closures: a list of ``(closure_id, updates)``, in the order the closures ran;
-                ``updates`` a list of ``(var_id, kind, value)``, kind ``"assign"``, ``"add"`` or
-                ``"sub"``.
+                ``updates`` a list of ``(var_id, kind, value)``, kind ``"assign"``, ``"add"``,
+                ``"sub"`` or ``"add_or_set"`` (value ``(delta, read, final)``: ``final`` if the
+                variable still holds ``read``, else the variable plus ``delta``).
             pull_ids: variables whose values to return after the updates.
             watermark: the coordinator's oldest unfinished closure id: older ids can never be
                 pushed again (their closures will not re-run), so a large record of applied

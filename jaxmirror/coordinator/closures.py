@@ -78,8 +78,12 @@ def _updates(state, var_ids) -> dict:
             continue
         elif final.dtype.kind == "b":
             update = ("assign", final)
-        else:  # exact for small steps: fl(x - d) - x is computed without rounding
-            update = ("add", final - local.pulled)
+        else:
+            delta = final - local.pulled
+            if np.array_equal(local.pulled + delta, final, equal_nan=False):
+                update = ("add", delta)  # exact: the usual small step
+            else:  # rounded (bfloat16, a sign change) or not finite: exact unless raced
+                update = ("add_or_set", (delta, local.pulled, final))
         local.pulled = final
         by_ps.setdefault(local.spec.ps_index, []).append((local.spec.var_id,) + update)
     return by_ps
@@ -172,13 +176,17 @@ def _run_one(state, call, pending: dict):
 def _send(state, pending, var_ids, calls, outcomes) -> list:
     """``_push``; when a parameter server is gone, the closures whose changes were in the
     messages fail with it."""
+    sent = {cid for closures in pending.values() for cid, _ in closures}
     try:
         _push(state, pending, var_ids)
     except _ParameterServerGone as e:
         _forget(state, var_ids)
-        sent = {cid for closures in pending.values() for cid, _ in closures}
         return [("ps", e.ps_index, str(e)) if call[0] in sent else outcome
                 for call, outcome in zip(calls, outcomes)]
+    except Exception as e:  # noqa: BLE001 (a server refused the changes: those closures failed)
+        _forget(state, var_ids)
+        failed = _error_outcome(e)
+        return [failed if call[0] in sent else outcome for call, outcome in zip(calls, outcomes)]
     return outcomes
 
 

@@ -101,6 +101,11 @@ class RayCluster:
         ray = ray_support.ray_module()
         ray.get([a.ping.remote() for a in self.ps + self.workers], timeout=timeout)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` ran (``resolver.shutdown()`` closes every cluster)."""
+        return self._closed
+
     def replace(self, index: int, generation: int) -> bool:
         """Start a new worker ``index`` in place of the one of ``generation`` (if not done yet).
 

@@ -88,10 +88,12 @@ class ClusterCoordinator:
         self._strategy = strategy
         self._settings = settings
         self._dispatcher = Dispatcher(cluster, *settings)
+        weakref.finalize(self, self._dispatcher.close).atexit = False  # its thread ends too
         self._functions: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
         self._ids = itertools.count()
         self._base = (uuid.uuid4().int >> 80) << 40  # ids of another coordinator never collide
         self._lock = threading.Lock()
+        self._checked: dict = {}  # function id -> NNX bundles the strategy had at its check
         strategy.extended.coordinator = self
         return self
 
@@ -106,7 +108,7 @@ class ClusterCoordinator:
         except TypeError:  # not weakly referable: shipped every time
             cached = None
         if cached is None:
-            cached = (next(self._ids), shipping.ship(fn))
+            cached = (next(self._ids), shipping.ship(fn, self._strategy))
             try:
                 self._functions[fn] = cached
             except TypeError:
@@ -144,10 +146,17 @@ class ClusterCoordinator:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"ClusterCoordinator.schedule: `kwargs` must be a dict, got "
                             f"{type(kwargs).__name__}.")
+        if self._strategy.extended.ray_cluster.closed:
+            raise RuntimeError("ClusterCoordinator.schedule: the strategy's cluster was shut down "
+                               "(resolver.shutdown()); make a new resolver and strategy.")
         self._dispatcher.done()  # raises a pending error first, as TF's schedule does
         nnx_binding.before_schedule(self._strategy)
         fn_id, fn_ship = self._shipped_function(fn)
-        args_ship = shipping.ship((tuple(args or ()), dict(kwargs or {})))
+        args_ship = shipping.ship((tuple(args or ()), dict(kwargs or {})), self._strategy)
+        bundles = nnx_binding.bundle_count(self._strategy)
+        if self._checked.get(fn_id, 1) < bundles:  # a strategy.init since: still current?
+            nnx_binding.warn_if_superseded(self._strategy, fn_ship.variables, fn)
+        self._checked[fn_id] = bundles
         var_ids = sorted(set(fn_ship.variables) | set(args_ship.variables))
         value = RemoteValue()
         with self._lock:

@@ -171,10 +171,28 @@ class Dispatcher:
                 if self._closed and not self._in_flight:
                     return
                 refs = list(self._in_flight)
-            # Short waits: closures submitted meanwhile are watched from the next round.
-            ready, _ = ray.wait(refs, num_returns=1, timeout=0.01)
-            for ref in ready:
-                self._finish(ray, ref)
+            try:
+                # Short waits: closures submitted meanwhile are watched from the next round.
+                ready, _ = ray.wait(refs, num_returns=1, timeout=0.01)
+                for ref in ready:
+                    self._finish(ray, ref)
+            except Exception as e:  # noqa: BLE001 (Ray gone, a replacement that failed...)
+                self._abandon(e)
+
+    def _abandon(self, cause: BaseException) -> None:
+        # The watcher cannot follow the calls in flight any more: their closures fail (join()
+        # must not wait for them forever) and the queue is cancelled, as after any error.
+        error = RuntimeError(f"ClusterCoordinator: lost track of the running functions "
+                             f"({type(cause).__name__}: {cause}).")
+        with self._cond:
+            for closures, _, _ in self._in_flight.values():
+                for closure in closures:
+                    if not closure.value.done():
+                        closure.value.set_error(error)
+            self._in_flight.clear()
+            self._load = [0] * len(self._load)
+            self._fail(error)
+            self._cond.notify_all()
 
     def _finish(self, ray, ref) -> None:
         try:
@@ -239,6 +257,13 @@ class Dispatcher:
             self._fail(error)
 
     def _worker_died(self, closures, worker, generation, message) -> None:
+        if self._cluster.closed:  # shut down: nothing to re-run on
+            error = RuntimeError("ClusterCoordinator: the cluster was shut down "
+                                 "(resolver.shutdown()) while functions were running.")
+            for closure in closures:
+                closure.value.set_error(error)
+            self._fail(error)
+            return
         if self._cluster.replace(worker, generation):
             self._shipped[worker] = set()
         # Back to the front of the queue, in order; re-sent one per call (``_fill``), so a

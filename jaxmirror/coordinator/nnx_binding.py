@@ -14,6 +14,7 @@ seen anywhere else: scheduling a function that refers to one is an error.
 from __future__ import annotations
 
 import itertools
+import warnings
 import weakref
 
 import jax.numpy as jnp
@@ -27,7 +28,6 @@ from jaxmirror.variables.variable import Variable
 
 _ids = itertools.count()
 _BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # object -> ref to Bundle
-_BY_STRATEGY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # strategy -> Bundles
 _ALL: "weakref.WeakSet" = weakref.WeakSet()  # every live Bundle
 
 
@@ -46,7 +46,9 @@ class Bundle:
 
     def __init__(self, objects: tuple, strategy):
         self.bundle_id = next(_ids)
-        self.objects = objects
+        self.strategy = weakref.ref(strategy)
+        # Held weakly: a bundle goes when its objects go (``bind``), with its server values.
+        self._objects = tuple(weakref.ref(o) for o in objects)
         self.graphdef, self.treedef, leaves = nnx_state.split_objects(objects)
         self.leaves = []
         with strategy.scope():
@@ -70,11 +72,25 @@ class Bundle:
         self.synced = self._current()
         # An nnx.Variable of these objects shipped alone is refused.
         self.nnx_variables = {id(v): v for v in self.nnx_vars}
+        # Parts of the objects (submodules), refused alone with a message of their own.
+        self.parts = weakref.WeakValueDictionary()
+        for obj in objects:
+            for _, node in nnx.iter_graph(obj):
+                if is_graph_node(node) and node not in objects:
+                    try:
+                        self.parts[id(node)] = node
+                    except TypeError:  # not weakly referable: not worth refusing
+                        pass
         _ALL.add(self)
 
     def _current(self) -> list:
         return [(v.get_raw_value(), nnx_state.as_host(v.get_value()) if kind == "variable"
                  else None) for (kind, _), v in zip(self.leaves, self.nnx_vars)]
+
+    @property
+    def objects(self) -> tuple:
+        """The coordinator's objects."""
+        return tuple(r() for r in self._objects)
 
     def variables(self) -> list:
         """The parameter-server variables, in leaf order."""
@@ -82,6 +98,7 @@ class Bundle:
 
     def reduction(self, index: int) -> tuple:
         """How object ``index`` pickles for a worker; notes the variables it needs."""
+        shipping.check_owner(self.strategy(), f"the NNX object {type(self.objects[index]).__name__}")
         for kind, specs in self.shipped:
             for spec in specs if kind == "variable" else ():
                 shipping.note_variable(spec)
@@ -90,6 +107,8 @@ class Bundle:
 
     def refresh(self) -> None:
         """Give the coordinator's objects the servers' values (at ``join``)."""
+        if None in self.objects:  # going: ``bind``'s finalizer drops the bundle
+            return
         self.send_changes()  # a change made on the coordinator meanwhile is a write: it wins
         values = iter(read_many(self.variables()))
         new = [jnp.asarray(next(values)) if kind == "variable" else x for kind, x in self.leaves]
@@ -125,11 +144,56 @@ def bind(strategy, built):
     bundle = Bundle(objects, strategy)
     # Held by its strategy only: entries keyed weakly by the objects must not keep them alive.
     ref = weakref.ref(bundle)
+    bundles = _bundles(strategy)
     for index, obj in enumerate(objects):
         _BOUND[obj] = ref
         shipping.bind_reduction(obj, lambda index=index: ref().reduction(index))
-    _BY_STRATEGY.setdefault(strategy, []).append(bundle)
+        weakref.finalize(obj, _drop, bundles, ref)
+    bundles.append(bundle)
     return bundle
+
+
+def _bundles(strategy) -> list:
+    # On the strategy itself: a module-level map keyed by strategy would keep it alive through
+    # its bundles' variables.
+    return strategy.extended.nnx_bundles
+
+
+def _drop(bundles: list, ref) -> None:
+    bundle = ref()
+    if bundle is not None and bundle in bundles:
+        bundles.remove(bundle)
+
+
+def warn_if_superseded(strategy, var_ids, fn) -> None:
+    """Warn when ``fn`` uses NNX objects of a ``strategy.init`` that a later call with the same
+    structure replaced (a notebook's init cell re-run without the cell defining ``fn``).
+
+    Args:
+        strategy: the ``ParameterServerStrategy``.
+        var_ids: the parameter-server variables ``fn`` refers to.
+        fn: the scheduled function.
+
+    Returns:
+        ``None``.
+    """
+    bundles = _bundles(strategy)
+    used = set(var_ids)
+    for i, bundle in enumerate(bundles):
+        if used.intersection(bundle.var_ids) and any(
+                later.graphdef == bundle.graphdef for later in bundles[i + 1:]):
+            warnings.warn(
+                f"ClusterCoordinator.schedule: {getattr(fn, '__qualname__', fn)!r} uses NNX "
+                f"objects from an earlier strategy.init call, which a later call of the same "
+                f"structure replaced; it keeps training the earlier ones (a function keeps what "
+                f"it referred to when first scheduled, as a tf.function's trace). Re-run the "
+                f"cell that defines it.", stacklevel=3)
+            return
+
+
+def bundle_count(strategy) -> int:
+    """How many ``strategy.init`` calls made NNX objects on ``strategy``."""
+    return len(_bundles(strategy))
 
 
 def before_schedule(strategy) -> None:
@@ -142,7 +206,7 @@ def before_schedule(strategy) -> None:
     Returns:
         ``None``.
     """
-    for bundle in _BY_STRATEGY.get(strategy, ()):
+    for bundle in list(_bundles(strategy)):
         bundle.send_changes()
 
 
@@ -155,7 +219,7 @@ def after_join(strategy) -> None:
     Returns:
         ``None``.
     """
-    for bundle in _BY_STRATEGY.get(strategy, ()):
+    for bundle in list(_bundles(strategy)):
         bundle.refresh()
 
 
@@ -172,6 +236,12 @@ def refuse_unbound(obj) -> None:
             f"{type(obj).__name__} of an NNX object on the parameter servers on its own: a "
             f"worker would get a copy of its value now, never updated. Refer to it through its "
             f"object inside the function (model.kernel[...]), or pass its value as an argument.")
+    if is_graph_node(obj) and any(b.parts.get(id(obj)) is obj for b in list(_ALL)):
+        raise ValueError(
+            f"ClusterCoordinator.schedule: the function or its arguments refer to a part "
+            f"({type(obj).__name__}) of an NNX object on the parameter servers on its own: "
+            f"refer to it through the object strategy.init returned, inside the function "
+            f"(model.layer(x), not layer = model.layer outside it).")
     if is_graph_node(obj) and (obj not in _BOUND or _BOUND[obj]() is None):
         raise ValueError(
             f"ClusterCoordinator.schedule: the function or its arguments refer to an NNX "

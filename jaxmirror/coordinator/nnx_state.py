@@ -136,8 +136,22 @@ class WorkerObjects:
         nnx.update(self.objects, state_of(self.treedef, jax.device_put(values)))
 
     def store(self) -> None:
-        """Record the state the closure left, as each variable's final value."""
-        values = jax.device_get(leaf_values(self.objects))
+        """Record the state the closure left, as each variable's final value.
+
+        Raises:
+            ValueError: when the closure changed the objects' structure (a Variable made or
+                removed); values sown with ``sow`` (``nnx.Intermediate``) are dropped first.
+        """
+        nnx.pop(self.objects, nnx.Intermediate)  # per-call outputs, not state to keep
+        state = nnx.state(self.objects)
+        if jax.tree.structure(state, is_leaf=_is_variable) != self.treedef:
+            raise ValueError(
+                "a scheduled function changed the structure of NNX objects built by "
+                "ParameterServerStrategy.init (a Variable made or removed inside it): their "
+                "state on the parameter servers has a fixed structure; create every Variable "
+                "in the function given to strategy.init.")
+        values = jax.device_get([v.get_value() for v in
+                                 jax.tree.leaves(state, is_leaf=_is_variable)])
         for (kind, specs), value in zip(self.leaves, values):
             if kind != "variable":
                 continue

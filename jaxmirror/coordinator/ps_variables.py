@@ -159,6 +159,7 @@ class PSVariable(VariableHandle):
 
     def __reduce__(self):
         if shipping.shipping():
+            shipping.check_owner(self._strategy, f"variable {self._name!r}")
             shipping.note_variable(self._spec)
             return (worker_runtime.local_variable, (self._spec,))
         raise TypeError(f"PSVariable {self._name!r} cannot be pickled or copied: its value "

@@ -10,9 +10,11 @@ function.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import os
 import pickle
+import site
 import sys
 import sysconfig
 import threading
@@ -23,9 +25,6 @@ from typing import NamedTuple
 import cloudpickle
 
 _local = threading.local()
-_LIBRARY_DIRS = tuple({os.path.realpath(p) for p in (sysconfig.get_paths()["purelib"],
-                                                     sysconfig.get_paths()["platlib"],
-                                                     sysconfig.get_paths()["stdlib"])})
 
 
 class VariableSpec(NamedTuple):
@@ -75,6 +74,35 @@ def shipping() -> bool:
         False
     """
     return getattr(_local, "found", None) is not None
+
+
+def owner():
+    """The strategy the pickle being made is for (``None`` when not said).
+
+    Returns:
+        The ``ParameterServerStrategy`` given to ``ship``, or ``None``.
+    """
+    return getattr(_local, "owner", None)
+
+
+def check_owner(strategy, what: str) -> None:
+    """Raise when the pickle being made is for another strategy than ``strategy``.
+
+    Args:
+        strategy: the strategy that made the object being pickled.
+        what: the object, for the message.
+
+    Raises:
+        ValueError: naming ``what`` and saying to re-run the cells that made it.
+    """
+    current = owner()
+    if current is not None and strategy is not current:
+        raise ValueError(
+            f"ClusterCoordinator.schedule: {what} belongs to another ParameterServerStrategy "
+            f"than this coordinator's (a re-run notebook cell made a new strategy?): its "
+            f"values live on that strategy's parameter servers. Create it again in this "
+            f"strategy's scope (or strategy.init), and re-run the cells defining the scheduled "
+            f"functions.")
 
 
 def note_variable(spec: VariableSpec) -> None:
@@ -127,8 +155,11 @@ def add_guard(guard) -> None:
 
 class _Pickler(cloudpickle.CloudPickler):
     def reducer_override(self, obj):
-        if isinstance(obj, (types.ModuleType, types.FunctionType, type)):
-            _by_value_if_local(obj)
+        if isinstance(obj, types.ModuleType) and obj.__name__ in sys.modules and getattr(
+                obj, "__file__", None):
+            # A module a function refers to is imported on the worker, never sent whole (even
+            # one whose functions go by value here).
+            return importlib.import_module, (obj.__name__,)
         if type(obj) in _REDUCED_TYPES:
             reduction = _REDUCTIONS.get(obj)
             if reduction is not None:
@@ -144,25 +175,34 @@ def _dumps(obj) -> bytes:
     return out.getvalue()
 
 
-_CHECKED: set = set()  # module names already sorted into by value / by reference
+_CHECKED: dict = {}  # module name -> whether it travels by value
 
 
-def _by_value_if_local(obj) -> None:
-    # Code from the user's own modules (a script or notebook, a config.py next to it, a test
-    # file) travels by value, with the values its globals have now, as a tf.function's trace
-    # captures them on the coordinator; a worker may not even be able to import those modules.
-    # Library modules (site-packages, the standard library, jaxmirror) travel by reference.
-    module = obj if isinstance(obj, types.ModuleType) else sys.modules.get(
-        getattr(obj, "__module__", None) or "")
+def _library_dirs() -> tuple:
+    dirs = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
+    dirs.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    dirs.add(site.getusersitepackages())
+    dirs.update({sys.base_prefix, sys.prefix, sys.exec_prefix})
+    return tuple(os.path.realpath(d) for d in dirs if d)
+
+
+def _local_module(obj):
+    """The module of ``obj`` (a function or class) when it is the user's own code (a script, a
+    notebook, a test file, a module next to them), which a worker may not be able to import;
+    ``None`` for library code (installed packages, the standard library, jaxmirror)."""
+    if not isinstance(obj, (types.FunctionType, type)):
+        return None
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
     name = getattr(module, "__name__", None)
-    if module is None or name in _CHECKED:
-        return
-    _CHECKED.add(name)
-    path = getattr(module, "__file__", None)
-    if path is None or name.split(".")[0] == "jaxmirror":
-        return
-    if not os.path.realpath(path).startswith(_LIBRARY_DIRS):
-        cloudpickle.register_pickle_by_value(module)
+    if module is None or name == "__main__":  # __main__ goes by value anyway
+        return None
+    if name not in _CHECKED:
+        path = getattr(module, "__file__", None)
+        _CHECKED[name] = (
+            path is not None and path.endswith(".py") and name.split(".")[0] != "jaxmirror"
+            and not any(part in path for part in ("site-packages", "dist-packages"))
+            and not os.path.realpath(path).startswith(_library_dirs()))
+    return module if _CHECKED[name] else None
 
 
 @contextlib.contextmanager
@@ -175,11 +215,13 @@ def _collecting():
         _local.found = outer
 
 
-def ship(obj) -> Shipment:
+def ship(obj, for_strategy=None) -> Shipment:
     """Pickle ``obj`` for a worker.
 
     Args:
         obj: a function, or a tuple of arguments.
+        for_strategy: the ``ParameterServerStrategy`` it is scheduled on (objects of another
+            one are refused), or ``None``.
 
     Returns:
         A ``Shipment``.
@@ -192,17 +234,26 @@ def ship(obj) -> Shipment:
         >>> s.variables
         {}
     """
-    for item in obj if isinstance(obj, tuple) else (obj,):
-        _by_value_if_local(item)
+    # The function (and functions passed as arguments) by value when they are the user's own
+    # code; registered for this pickle only (cloudpickle's registry is global).
+    local = {m for m in map(_local_module, obj if isinstance(obj, tuple) else (obj,)) if m}
+    local -= {sys.modules[n] for n in cloudpickle.list_registry_pickle_by_value()
+              if n in sys.modules}
+    for module in local:
+        cloudpickle.register_pickle_by_value(module)
     with _collecting() as found:
+        _local.owner = for_strategy
         try:
             blob = _dumps(obj)
         except (pickle.PicklingError, TypeError, AttributeError) as e:
             raise type(e)(f"ClusterCoordinator.schedule: cannot send the function or its "
                           f"arguments to the workers: {e}. A function goes by value, with "
-                          f"what it refers to and the globals of your own modules it uses "
-                          f"(as a tf.function's trace captures them); make what it needs "
-                          f"picklable, or create it inside the function.") from e
+                          f"what it refers to (as a tf.function's trace captures it); make "
+                          f"that picklable, or create it inside the function.") from e
+        finally:
+            _local.owner = None
+            for module in local:
+                cloudpickle.unregister_pickle_by_value(module)
     return Shipment(blob, dict(found))
 
 

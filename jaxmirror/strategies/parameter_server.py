@@ -10,6 +10,7 @@ function the strategy is the worker's own ``MirroredStrategy`` over its devices,
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import jax
 import numpy as np
@@ -128,6 +129,7 @@ class ParameterServerExtended(StrategyExtended):
         super().__init__(strategy, [jax.local_devices()[0]], distributed_variables=False)
         self.ray_cluster = cluster
         self.coordinator = None  # the ClusterCoordinator, once made
+        self.nnx_bundles: list = []  # the NNX objects of ``init`` (``coordinator.nnx_binding``)
         self._partitioner = partitioner
         self._replicas = replicas
         self._next_ps = itertools.cycle(range(len(cluster.ps)))
@@ -232,6 +234,8 @@ class ParameterServerStrategy(Strategy):
         self._resolver = cluster_resolver
         replicas = max(1, int(worker_options.get("num_gpus") or 0))
         super().__init__(ParameterServerExtended(self, cluster, variable_partitioner, replicas))
+        # A strategy nobody refers to any more (a re-run notebook cell) frees its actors.
+        weakref.finalize(self, cluster.close).atexit = False
 
     @property
     def num_replicas_in_sync(self) -> int:
