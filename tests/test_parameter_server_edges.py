@@ -7,6 +7,7 @@ A local Ray runtime (2 workers, 2 PS); the coordinator sends one call at a time 
 
 import itertools
 import os
+import sys
 import threading
 import time
 
@@ -318,8 +319,13 @@ def test_what_travels_by_value_and_what_is_imported(tmp_path, monkeypatch):
     import ps_local_helpers
     import cloudpickle
     shipped = shipping.ship(ps_local_helpers.scale)  # by value: no worker can import it
-    assert cloudpickle.loads(shipped.blob)(2) == 6
-    shipping.ship(lambda: ps_local_helpers.scale(1))  # the module by reference: no lock pickled
+    by_reference = shipping.ship(lambda: ps_local_helpers.scale(1))  # no lock pickled
+    assert "ps_local_helpers" not in cloudpickle.list_registry_pickle_by_value()  # unregistered
+    monkeypatch.delitem(sys.modules, "ps_local_helpers")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    assert cloudpickle.loads(shipped.blob)(2) == 6  # loads where the module cannot be imported
+    with pytest.raises(ModuleNotFoundError):
+        cloudpickle.loads(by_reference.blob)
     lock = threading.Lock()
     with pytest.raises(TypeError, match="cannot send the function or its arguments to the "
                                         "workers.*lock"):
