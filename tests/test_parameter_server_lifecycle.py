@@ -196,3 +196,22 @@ def test_join_does_not_hang_when_the_watcher_loses_ray(resolver, monkeypatch):
             assert c.schedule(lambda: 3).fetch(timeout=TIMEOUT) == 3  # it goes on
     finally:
         s.extended.ray_cluster.close()
+
+
+def test_nnx_objects_collected_during_a_join_do_not_break_it(strategy, coordinator,
+                                                              monkeypatch):
+    from jaxmirror.coordinator import nnx_binding
+    holder = [strategy.init(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)))]
+    read_many = nnx_binding.read_many
+
+    def collecting(handles):  # the last reference goes, and the collector runs, mid-refresh
+        holder.clear()
+        gc.collect()
+        return read_many(handles)
+
+    monkeypatch.setattr(nnx_binding, "read_many", collecting)
+    coordinator.schedule(lambda: None)
+    joined(coordinator)
+    monkeypatch.setattr(nnx_binding, "read_many", read_many)
+    gc.collect()
+    assert not holder

@@ -107,12 +107,13 @@ class Bundle:
 
     def refresh(self) -> None:
         """Give the coordinator's objects the servers' values (at ``join``)."""
-        if None in self.objects:  # going: ``bind``'s finalizer drops the bundle
+        objects = self.objects  # held for the update: the garbage collector may run meanwhile
+        if None in objects:  # going: ``bind``'s finalizer drops the bundle
             return
         self.send_changes()  # a change made on the coordinator meanwhile is a write: it wins
         values = iter(read_many(self.variables()))
         new = [jnp.asarray(next(values)) if kind == "variable" else x for kind, x in self.leaves]
-        nnx.update(self.objects, nnx_state.state_of(self.treedef, new))
+        nnx.update(objects, nnx_state.state_of(self.treedef, new))
         self.synced = self._current()
 
     def send_changes(self) -> None:
