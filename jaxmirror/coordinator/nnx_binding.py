@@ -178,7 +178,7 @@ def warn_if_superseded(strategy, var_ids, fn) -> None:
     Returns:
         ``None``.
     """
-    bundles = _bundles(strategy)
+    bundles = list(_bundles(strategy))  # a copy: a finalizer may drop one meanwhile
     used = set(var_ids)
     for i, bundle in enumerate(bundles):
         if used.intersection(bundle.var_ids) and any(
