@@ -147,7 +147,8 @@ def _run_one(state, call, pending: dict):
         fn = cached_function(fn_id, fn_blob)
         args, kwargs = pickle.loads(args_blob)
         _load(state, var_ids)
-        objects = [b for b in state.objects.values() if b.var_ids <= set(var_ids)]
+        used = set(var_ids)
+        objects = [b for b in state.objects.values() if b.var_ids <= used]
         for bundle in objects:
             bundle.load()
         # Pickled here: a result that cannot travel fails its closure before its changes count.

@@ -84,19 +84,6 @@ def variables_of(objects: tuple) -> list:
     return jax.tree.leaves(nnx.state(objects), is_leaf=_is_variable)
 
 
-def leaf_values(objects: tuple) -> list:
-    """The objects' state leaves now, in ``split_objects``' order.
-
-    Args:
-        objects: the NNX objects.
-
-    Returns:
-        A list of arrays.
-    """
-    state = nnx.state(objects)
-    return [v.get_value() for v in jax.tree.leaves(state, is_leaf=_is_variable)]
-
-
 class WorkerObjects:
     """A worker's copy of NNX objects whose numeric state is in parameter-server variables.
 
@@ -144,14 +131,14 @@ class WorkerObjects:
         """
         nnx.pop(self.objects, nnx.Intermediate)  # per-call outputs, not state to keep
         state = nnx.state(self.objects)
-        if jax.tree.structure(state, is_leaf=_is_variable) != self.treedef:
+        variables, treedef = jax.tree.flatten(state, is_leaf=_is_variable)
+        if treedef != self.treedef:
             raise ValueError(
                 "a scheduled function changed the structure of NNX objects built by "
                 "ParameterServerStrategy.init (a Variable made or removed inside it): their "
                 "state on the parameter servers has a fixed structure; create every Variable "
                 "in the function given to strategy.init.")
-        values = jax.device_get([v.get_value() for v in
-                                 jax.tree.leaves(state, is_leaf=_is_variable)])
+        values = jax.device_get([v.get_value() for v in variables])
         for (kind, specs), value in zip(self.leaves, values):
             if kind != "variable":
                 continue

@@ -47,13 +47,15 @@ class VariableHandle(ArrayOperators, Identity):
     def _apply(self, method: str, value) -> None:
         raise NotImplementedError
 
-    def _checked(self, method: str, value):
+    def _assigned(self, method: str, value, read_value: bool):
+        # What assign, assign_add and assign_sub share: the shape check, then one ``_apply``.
         shape = np.shape(value)
         if tuple(shape) != tuple(self._shape) and not (method != "assign" and shape == ()):
             raise ValueError(f"{type(self).__name__}.{method}: {self._name!r} has shape "
                              f"{self._shape}, got a value of shape {tuple(shape)}; give a value "
                              f"of the variable's shape.")
-        return value
+        self._apply(method, value)
+        return self if read_value else None
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         """Overwrite the value (``tf.Variable.assign``).
@@ -66,8 +68,7 @@ class VariableHandle(ArrayOperators, Identity):
         Returns:
             The variable, or ``None``.
         """
-        self._apply("assign", self._checked("assign", value))
-        return self if read_value else None
+        return self._assigned("assign", value, read_value)
 
     def assign_add(self, delta, use_locking=None, name=None, read_value=True):
         """Add ``delta`` to the value (``tf.Variable.assign_add``).
@@ -80,8 +81,7 @@ class VariableHandle(ArrayOperators, Identity):
         Returns:
             The variable, or ``None``.
         """
-        self._apply("assign_add", self._checked("assign_add", delta))
-        return self if read_value else None
+        return self._assigned("assign_add", delta, read_value)
 
     def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
         """Subtract ``delta`` from the value (``tf.Variable.assign_sub``).
@@ -94,8 +94,7 @@ class VariableHandle(ArrayOperators, Identity):
         Returns:
             The variable, or ``None``.
         """
-        self._apply("assign_sub", self._checked("assign_sub", delta))
-        return self if read_value else None
+        return self._assigned("assign_sub", delta, read_value)
 
 
 # jnp functions and jax.jit take a handle as its value, as they take a Variable.
