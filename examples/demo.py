@@ -8,7 +8,7 @@ plain ``jax.jit`` step over the same global batches, and the two runs are compar
 parameters and the per-step losses must agree to within ``2e-5``, and the test accuracy must be
 at least ``0.9``; otherwise the demo exits with status 1.
 
-Without a GPU the demo simulates 8 CPU devices (``experimental.simulate_cpu_devices(8)``), so
+Without a GPU the demo simulates 8 CPU devices (``configure_cpu_devices(8)``), so
 ``MirroredStrategy()`` runs 8 replicas; on a GPU machine it takes every local GPU.
 
 Example:
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _setup_devices() -> None:
     """Simulate 8 CPU devices, unless JAX already runs (then use the devices it has)."""
     try:
-        jaxmirror.experimental.simulate_cpu_devices(NUM_CPU_DEVICES)
+        jaxmirror.configure_cpu_devices(NUM_CPU_DEVICES)
     except RuntimeError as err:  # e.g. main() called in a process where JAX already started
         warnings.warn(f"{err} Going on with the devices JAX has.", stacklevel=3)
 

@@ -30,6 +30,7 @@ from jaxmirror.core.context import (
     has_strategy,
     in_cross_replica_context,
 )
+from jaxmirror.core.devices import configure_cpu_devices
 from jaxmirror.core.reduce_op import ReduceOp, VariableAggregation, VariableSynchronization
 from jaxmirror.core.values import DistributedValues, Mirrored, PerReplica
 from jaxmirror.data.datasets import DistributedDataset
@@ -71,7 +72,7 @@ __all__ = [
     "ReplicaContext", "RunOptions", "Server", "Strategy", "StrategyExtended",
     "SyncOnReadVariable", "TPUStrategy", "Variable", "VariableAggregation",
     "VariableSynchronization", "assign_values", "checkpoint", "cluster_resolver",
-    "compute_average_loss", "experimental", "experimental_set_strategy",
+    "compute_average_loss", "configure_cpu_devices", "experimental", "experimental_set_strategy",
     "get_cross_replica_context", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context", "launch", "metrics", "nn", "read_values",
 ]

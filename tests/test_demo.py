@@ -67,7 +67,7 @@ def test_bad_arguments_exit_with_usage_error():
 def test_script_entry_point():
     import jax
 
-    # As `make demo` runs it: no XLA_FLAGS, so the demo's own simulate_cpu_devices(8) matters.
+    # As `make demo` runs it: no XLA_FLAGS, so the demo's own configure_cpu_devices(8) matters.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, str(DEMO), *FAST_ARGS],

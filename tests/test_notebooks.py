@@ -18,7 +18,7 @@ def test_there_is_a_notebook():
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
     # The kernel is a fresh process that inherits this process's environment, XLA_FLAGS with 8
-    # host devices included (conftest.py). The notebooks call simulate_cpu_devices(8) first,
+    # host devices included (conftest.py). The notebooks call configure_cpu_devices(8) first,
     # which sets jax_num_cpu_devices=8 before JAX starts: that agrees with XLA_FLAGS here, and
     # would win over a different count there, so the kernel always gets 8 CPU devices.
     client = nbclient.NotebookClient(

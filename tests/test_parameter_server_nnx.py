@@ -172,3 +172,18 @@ def test_init_makes_other_arrays_parameter_server_variables(strategy, coordinato
         joined(coordinator)
     np.testing.assert_array_equal(params["w"].numpy(), [0.0, 0.0, 0.0, 0.0])
     assert float(params["b"].numpy()) == -1.5
+
+
+def test_rich_display_of_the_strategy_and_its_variables(strategy):
+    shown = strategy._repr_html_()
+    assert "<td>workers</td><td>2</td>" in shown and "<td>parameter servers</td><td>2</td>" in shown
+    assert "FixedShardsPartitioner" in shown and "running (Ray actors)" in shown
+    with strategy.scope():
+        sharded = jm.Variable(jnp.arange(6.0), name="w")
+        one = jm.Variable(jnp.float32(2.5), name="b")
+    table = sharded._repr_html_()  # a row per shard: its rows of the whole value, where, values
+    assert "<td>0</td><td>0:3</td>" in table and "<td>1</td><td>3:6</td>" in table
+    assert "[0.0, 1.0, 2.0]" in table and "[3.0, 4.0, 5.0]" in table
+    assert "/job:ps/replica:0/task:0" in table and "/job:ps/replica:0/task:1" in table
+    assert "<td>2.5</td>" in one._repr_html_() and one.device in one._repr_html_()
+    assert len(repr(strategy)) < 100  # the plain repr stays one short line

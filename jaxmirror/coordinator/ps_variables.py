@@ -14,6 +14,7 @@ from jaxmirror.coordinator import shipping, worker_runtime
 from jaxmirror.cluster_resolver import ray_support
 from jaxmirror.coordinator.errors import UnavailableError
 from jaxmirror.coordinator.shipping import unpack
+from jaxmirror.core import rich_display
 from jaxmirror.core.reduce_op import as_aggregation, as_synchronization
 from jaxmirror.variables.handle import VariableHandle
 from jaxmirror.variables.variable import Variable
@@ -165,6 +166,13 @@ class PSVariable(VariableHandle):
         raise TypeError(f"PSVariable {self._name!r} cannot be pickled or copied: its value "
                         f"lives on a parameter server. Save it with jaxmirror.checkpoint, or "
                         f"read its value (numpy()).")
+
+    def _repr_html_(self) -> str | None:
+        # Jupyter's rich display; reading the value is one request to its parameter server.
+        return rich_display.safe_html(lambda: rich_display.table(
+            f"PSVariable '{self._name}' shape={self._shape} dtype={np.dtype(self._dtype).name}",
+            ["stored on", "shape", "values"],
+            [[self.device, str(self._shape), rich_display.preview(self.read_value())]]))
 
     def __repr__(self) -> str:
         return (f"<PSVariable {self._name!r} shape={self._shape} "

@@ -92,9 +92,15 @@ def pushed(entry: Entry):
 
 
 def mixing_error(current_strategy, strategy) -> RuntimeError:
-    """TF's error for using one strategy inside another's scope (TF's wording, on purpose)."""
+    """TF's error for using one strategy inside another's scope (TF's wording, on purpose),
+    with what to do: two strategies over the same devices print alike, and in a notebook the
+    usual cause is a strategy cell run again while an old strategy's scope is still entered."""
     return RuntimeError(
-        f"Mixing different jaxmirror Strategy objects: {strategy!r} is not {current_strategy!r}"
+        f"Mixing different jaxmirror Strategy objects: {strategy!r} (at {id(strategy):#x}) is "
+        f"not {current_strategy!r} (at {id(current_strategy):#x}), whose scope is entered. Use "
+        f"one strategy object at a time: in a notebook this usually means the cell that creates "
+        f"the strategy ran again; use the strategy of the `with strategy.scope():` you are in, "
+        f"or leave that scope first (experimental_set_strategy(None) if you set it globally)."
     )
 
 

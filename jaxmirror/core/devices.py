@@ -65,8 +65,11 @@ def resolve(spec, api: str, arg_name: str):
     candidates = _platform_devices(kind, task)
     if index >= len(candidates):
         have = ", ".join(f"{kind}:{i}" for i in range(len(candidates))) or f"no {kind} devices"
+        hint = (" For more CPU devices without a GPU, call jaxmirror.configure_cpu_devices(n) "
+                "before anything uses JAX (in a notebook: restart the kernel, then run it in the "
+                "first cell)." if kind == "CPU" else "")
         raise ValueError(f"{api}: `{arg_name}` {spec!r} names no device of task {task}; name "
-                         f"one it has: {have}.")
+                         f"one it has: {have}.{hint}")
     return candidates[index]
 
 
@@ -109,11 +112,13 @@ def default_global_devices() -> list:
     return sorted(jax.devices(kind), key=lambda d: (d.process_index, d.id))
 
 
-def simulate_cpu_devices(n: int) -> None:
+def configure_cpu_devices(n: int) -> None:
     """Give JAX ``n`` CPU devices, so ``MirroredStrategy()`` has ``n`` replicas without a GPU.
 
-    Call it first thing, before any JAX computation: XLA fixes the device count when its backend
-    starts. On a machine with GPUs it is harmless (``MirroredStrategy()`` still takes the GPUs).
+    Call it in a notebook's first cell, before anything touches JAX: XLA fixes the device count
+    when its backend starts, and only a fresh process (a restarted kernel) can change it. Calling
+    it again with the same ``n`` (re-running the cell) does nothing. On a machine with GPUs it is
+    harmless: ``MirroredStrategy()`` still takes the GPUs.
 
     Args:
         n: how many CPU devices to simulate (>= 1).
@@ -123,25 +128,32 @@ def simulate_cpu_devices(n: int) -> None:
 
     Raises:
         ValueError: when ``n`` is not a positive int.
-        RuntimeError: when JAX's backend has already started (restart the kernel and call this
-            before anything else touches JAX).
+        RuntimeError: when JAX has already started with another CPU device count; the message
+            says to restart the kernel and run this call first.
 
     Example:
         >>> import jaxmirror
         >>> try:
-        ...     jaxmirror.experimental.simulate_cpu_devices(8)
+        ...     jaxmirror.configure_cpu_devices(8)
         ... except RuntimeError:
         ...     pass  # too late in this process: JAX is already running
     """
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"simulate_cpu_devices: `n` must be a positive int; got {n!r}.")
+        raise ValueError(f"configure_cpu_devices: `n` must be a positive int; got {n!r}.")
     if _compat.backend_started():
         have = jax.device_count("cpu") if jax.default_backend() == "cpu" else len(jax.devices("cpu"))
         if have == n:
             return
         raise RuntimeError(
-            f"simulate_cpu_devices({n}): JAX has already started with {have} CPU device(s), and "
-            f"the count is fixed once it starts; restart the kernel (or process) and call "
-            f"jaxmirror.experimental.simulate_cpu_devices({n}) before any other JAX work."
+            f"configure_cpu_devices({n}): JAX has already started with {have} CPU device(s), "
+            f"and XLA fixes the count when it starts (something above this call used JAX). "
+            f"Restart the kernel (Jupyter: Kernel > Restart; a script: run it again) and make "
+            f"jaxmirror.configure_cpu_devices({n}) the first thing it runs, right after "
+            f"`import jaxmirror`."
         )
     _compat.set_cpu_device_count(n)
+
+
+# The name this function had before it became public at the top level; kept so code written
+# against ``jaxmirror.experimental.simulate_cpu_devices`` keeps working.
+simulate_cpu_devices = configure_cpu_devices

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmirror.core import _compat
+from jaxmirror.core import _compat, rich_display
 from jaxmirror.core.bits import moved
 
 
@@ -46,6 +46,22 @@ class DistributedValues:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}:{self._repr_components()}"
+
+    def _repr_html_(self) -> str | None:
+        # Jupyter's rich display: one row per component this process holds.
+        return rich_display.safe_html(lambda: rich_display.table(
+            f"{type(self).__name__}", ["replica", "device", "shape", "dtype", "values"],
+            self.display_rows()))
+
+    def display_rows(self) -> list:
+        """``[replica, device, shape, dtype, values]`` rows of this process's components, as
+        the rich display shows them.
+
+        Returns:
+            A list of rows of str.
+        """
+        rows = rich_display.shard_rows(self._payload(), stacked=False)
+        return [[str(i)] + row for i, row in enumerate(rows)]
 
 
 def components(stacked) -> tuple:
@@ -132,6 +148,22 @@ class PerReplica(DistributedValues):
 
     def _payload(self):
         return self._stacked
+
+    def display_rows(self) -> list:
+        # A batch shows its real rows only; the replica comes from where the shard sits.
+        if _compat.is_tracer(self._stacked) or not isinstance(self._stacked, jax.Array):
+            return [["all"] + row for row in rich_display.shard_rows(self._stacked, False)]
+        counts = None if self._row_counts is None else host_counts(self._row_counts)
+        rows = []
+        for shard in _local_shards(self._stacked):
+            replica = shard.index[0].start or 0
+            component = shard.data[0]
+            if counts is not None:  # a batch: show its real rows only
+                component = component[:counts[replica]]
+            rows.append([str(replica), rich_display.device_label(shard.device),
+                         str(tuple(component.shape)), str(component.dtype),
+                         rich_display.preview(component)])
+        return rows
 
     def __array__(self, dtype=None, copy=None):
         # NumPy would silently make a 0-d object array of the wrapper.

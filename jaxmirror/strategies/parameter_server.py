@@ -136,6 +136,11 @@ class ParameterServerExtended(StrategyExtended):
         self._ids = itertools.count()
 
     @property
+    def variable_partitioner(self):
+        """The strategy's ``variable_partitioner`` (``None``: variables are not split)."""
+        return self._partitioner
+
+    @property
     def variable_creator(self):
         """Makes ``PSVariable``s (and ``ShardedVariable``s of them) on the parameter servers."""
         return self._create
@@ -338,6 +343,18 @@ class ParameterServerStrategy(Strategy):
 
     def __deepcopy__(self, memo):
         raise TypeError("ParameterServerStrategy cannot be copied: it owns a Ray cluster.")
+
+    def display_items(self) -> list:
+        """What the rich display shows: the cluster, then each worker's replicas.
+
+        Returns:
+            A list of ``(property, value)`` pairs.
+        """
+        cluster = self.extended.ray_cluster
+        return [("workers", cluster.num_workers), ("parameter servers", len(cluster.ps)),
+                ("replicas per worker", self.num_replicas_in_sync),
+                ("variable partitioner", self.extended.variable_partitioner),
+                ("cluster", "shut down" if cluster.closed else "running (Ray actors)")]
 
     def __repr__(self) -> str:
         cluster = self.extended.ray_cluster

@@ -7,7 +7,7 @@ import copy
 
 import jax
 
-from jaxmirror.core import _compat, context, inflight
+from jaxmirror.core import _compat, context, inflight, rich_display
 from jaxmirror.step import cross_replica
 from jaxmirror.step.program import Program
 from jaxmirror.step.fused import FusedStep
@@ -333,3 +333,33 @@ class Strategy(InputMethods):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} with {self.num_replicas_in_sync} replica(s)>"
+
+    def _repr_html_(self) -> str | None:
+        # Jupyter's rich display: what the strategy runs on, one property per row.
+        return rich_display.safe_html(lambda: rich_display.property_table(
+            type(self).__name__, self.display_items()))
+
+    def display_items(self) -> list:
+        """What the rich display shows: ``(property, value)`` pairs.
+
+        Returns:
+            A list of pairs: replicas, devices, mesh, workers, where variables live and the
+            cross-device ops.
+
+        Example:
+            >>> import jaxmirror
+            >>> dict(jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"]).display_items())["mesh"]
+            'replica: 2'
+        """
+        placement = self.extended.placement
+        workers = len({d.process_index for d in placement.devices})
+        storage = (f"on {rich_display.device_list(placement.parameter_devices)} (central "
+                   f"storage)" if placement.central else
+                   "a copy on every replica's device" if placement.num_replicas > 1 else
+                   "on the one device")
+        return [("replicas in sync", self.num_replicas_in_sync),
+                ("devices", rich_display.device_list(placement.devices)),
+                ("mesh", ", ".join(f"{k}: {v}" for k, v in placement.mesh.shape.items())),
+                ("workers", workers),
+                ("variables", storage),
+                ("cross-device ops", self.extended.cross_device_ops)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmirror.core import rich_display
 from jaxmirror.variables.handle import VariableHandle
 from jaxmirror.variables.operators import value_of
 
@@ -96,6 +97,19 @@ class ShardedVariable(VariableHandle):
                 value, np.ndarray) else np.split(value, self._rows, axis=0)
         for v, part in zip(self._variables, parts):
             getattr(v, method)(part, read_value=False)
+
+    def _repr_html_(self) -> str | None:
+        # Jupyter's rich display: one row per shard, with its rows of the whole value.
+        return rich_display.safe_html(self._html)
+
+    def _html(self) -> str:
+        starts = [0] + self._rows
+        rows = [[str(i), f"{start}:{start + v.shape[0]}", str(v.device), str(tuple(v.shape)),
+                 rich_display.preview(value_of(v))]
+                for i, (start, v) in enumerate(zip(starts, self._variables))]
+        title = (f"ShardedVariable '{self._name}' shape={self._shape} "
+                 f"dtype={np.dtype(self._dtype).name}, {len(rows)} shard(s)")
+        return rich_display.table(title, ["shard", "rows", "stored on", "shape", "values"], rows)
 
     def __repr__(self) -> str:
         shards = ", ".join(str(tuple(v.shape)) for v in self._variables)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmirror.core import _compat, binding, context
+from jaxmirror.core import _compat, binding, context, rich_display
 from jaxmirror.core.reduce_op import (
     VariableAggregation,
     VariableSynchronization,
@@ -181,7 +181,9 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
                 f"Variable {self._name!r}: created in the scope of another strategy object "
                 f"({self._strategy!r} at {id(self._strategy):#x}), so {strategy!r} at "
                 f"{id(strategy):#x} cannot use it; create it inside `strategy.scope()` of the "
-                f"strategy that uses it."
+                f"strategy that uses it. In a notebook this usually means the cell that creates "
+                f"the strategy ran again after this variable was made: run the cells that make "
+                f"the variables (and the model) again too."
             )
 
     def distributed_view(self):
@@ -385,6 +387,25 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
 
     def __repr__(self) -> str:
         return self._components_repr()[0]
+
+    def _repr_html_(self) -> str | None:
+        # Jupyter's rich display: where the stored value lives, device by device.
+        return rich_display.safe_html(self._html)
+
+    def _html(self) -> str:
+        state.settle(self, False)
+        stored = self._state
+        if isinstance(stored, PerReplica):
+            headers, rows = ["replica", "device", "shape", "dtype", "values"], stored.display_rows()
+        else:
+            headers = ["device", "shape", "dtype", "values"]
+            rows = rich_display.shard_rows(stored, stacked=False)
+        title = (f"{type(self).__name__} '{self.name}' shape={self.shape} dtype={self.dtype} "
+                 f"({self.synchronization.name}, aggregation {self.aggregation.name})")
+        how = ("one component per replica" if isinstance(stored, PerReplica) else
+               f"one value, a copy on each of {len(rows)} devices" if len(rows) > 1 else
+               "one value on one device")
+        return rich_display.table(title, headers, rows, [f"stored as {how}"])
 
 
 # jnp functions, jax.jit and jax.grad take a variable as its value (as TF ops take tf.Variable).
