@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test docs bench clean
 
 install: $(STAMP)
 
@@ -20,6 +20,11 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The documentation (docs/: Markdown pages, the API reference from the docstrings), built
+# offline into build/docs/index.html; any Sphinx warning fails it.
+docs: install
+	$(PY) -m sphinx -W --keep-going -b html docs build/docs
 
 # TensorFlow (the `bench` extra) only for benchmarks/vs_tensorflow.py; tests never need it.
 BENCH_STAMP := $(VENV)/.installed-bench

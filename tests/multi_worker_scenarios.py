@@ -206,7 +206,7 @@ def in_worker(name, *args):
 
 def joined_by_hand():
     """``jax.distributed`` started by the user: a matching strategy reuses it, a resolver that
-    disagrees gets a clear error; then ``Server`` and ``experimental_finalize``."""
+    disagrees gets a clear error; then ``Server`` joins the cluster and ``join()`` shuts it down."""
     import json
     import os
 

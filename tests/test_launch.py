@@ -330,6 +330,19 @@ def test_run_returns_the_values_in_worker_order_and_passes_arguments(launch):
                       timeout=60) == [(0, 20), (1, 20), (2, 20)]
 
 
+def _joins_with(params):
+    import jaxmirror as jm  # noqa: PLC0415 - in the worker
+    strategy = jm.MultiWorkerMirroredStrategy()  # JAX must not have started before this
+    return type(params["w"]).__name__, params["w"].tolist(), strategy.num_replicas_in_sync
+
+
+def test_run_ships_jax_arrays_as_numpy_so_the_workers_can_still_join(launch):
+    import jax.numpy as jnp
+    shown = launch.run(_joins_with, workers=2, devices_per_worker=1,
+                       args=({"w": jnp.arange(3.0)},), timeout=120)
+    assert shown == [("ndarray", [0.0, 1.0, 2.0], 2)] * 2
+
+
 def test_run_ships_lambdas_and_closures(launch):
     offset, seen = 5, ["a", "b"]
     assert launch.run(lambda: offset + len(seen) + int(os.environ["JAXMIRROR_LAUNCH_WORKER_INDEX"]),

@@ -7,6 +7,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxmirror as jm
@@ -65,3 +66,21 @@ def test_strategies_from_different_cells_mixed():
             assert message.startswith("Mixing different jaxmirror Strategy objects")
             assert f"{id(first):#x}" in message and f"{id(second):#x}" in message
             assert "ran again" in message and "leave that scope" in message
+
+
+def test_whole_arrays_given_as_a_dataset_say_to_batch_them():
+    # TF's `from_tensor_slices((x, y)).batch(G)` habit, ported literally.
+    s = jm.MirroredStrategy(["CPU:0", "CPU:1"])
+    x, y = np.ones((10, 3), np.float32), np.zeros(10, np.int32)
+    it = iter(s.experimental_distribute_dataset((x, y)))
+    next(it)  # x, read as the first global batch
+    with pytest.raises(ValueError, match=r"Given whole arrays `\(x, y\)`\?.*batch them first"):
+        next(it)
+
+
+def test_keras_2s_reset_states_name_resets_the_metric():
+    m = jm.metrics.SparseCategoricalAccuracy()
+    m.update_state(np.array([1, 0]), np.array([[0.1, 0.9], [0.2, 0.8]], np.float32))
+    assert float(m.result()) == 0.5
+    m.reset_states()
+    assert float(m.result()) == 0.0

@@ -4,6 +4,7 @@ import collections
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 import numpy as np
 import pytest
 
@@ -317,6 +318,33 @@ def test_donation_reuses_params_buffers():
     opt = jm.RunOptions(donate_argnums=(0,))
     newer = s.run(lambda p: jax.tree.map(lambda v: v + 1, p), args=(new,), options=opt)
     assert new["w"].is_deleted() and newer["w"].tolist() == [2.0] * 4
+
+
+def test_passing_donated_params_again_is_a_clear_error_not_a_crash():
+    # JAX 0.10 kills the process when a deleted array reaches a multi-device program.
+    s = mirrored(2)
+    step = s.function(lambda p, x: jax.tree.map(lambda v: v + x, p), donate_argnums=(0,))
+    params = {"w": [s.experimental_replicate(np.zeros(4, np.float32))]}
+    new = step(params, 1.0)
+    with pytest.raises(ValueError, match=r"argument 0 holds arrays an earlier call donated"):
+        step(params, 1.0)  # a notebook cell run twice
+    assert step(new, 1.0)["w"][0].tolist() == [2.0] * 4
+
+
+def test_donating_replicated_params_leaves_the_callers_arrays_alive():
+    # jax.device_put would reuse the buffer already on device 0 for the replicated copy, and
+    # donating the copy would then delete the caller's array as well.
+    s = mirrored(2)
+    x = jax.device_put(jnp.arange(3.0), jax.devices()[0])
+    params = s.experimental_replicate({"x": x})
+    step = s.function(lambda p: p["x"] + 1, donate_argnums=0)
+    assert step(params).tolist() == [1.0, 2.0, 3.0] and params["x"].is_deleted()
+    assert not x.is_deleted() and x.tolist() == [0.0, 1.0, 2.0]
+    module = nnx.Linear(2, 2, rngs=nnx.Rngs(0))  # NNX objects get new buffers too
+    kernel = module.kernel[...]
+    s.experimental_replicate(module)
+    assert all(shard.data.unsafe_buffer_pointer() != kernel.unsafe_buffer_pointer()
+               for shard in module.kernel[...].addressable_shards)
 
 
 def test_run_options_validation():

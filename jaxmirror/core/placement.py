@@ -88,15 +88,20 @@ class Placement:
         """
         return jax.device_put(value, self.mirrored_sharding)
 
-    def store(self, value):
+    def store(self, value, owned: bool = False):
         """``value`` where variables and mirrored parameters live (``storage_sharding``).
 
         Args:
             value: an array or a nest of arrays.
+            owned: give new buffers even where ``value`` already has one on a target device
+                (``jax.device_put`` shares it, even with ``may_alias=False`` in JAX 0.10, so
+                donating the result would delete the caller's array too).
 
         Returns:
             The same, on the parameter device (central storage) or as ``replicate`` puts it.
         """
+        if owned:
+            value = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, value)
         return jax.device_put(value, self.storage_sharding)
 
     def to_compute(self, tree):

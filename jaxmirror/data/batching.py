@@ -276,13 +276,18 @@ def check_same_spec(leaves, tree, first, position: int, what: str) -> None:
         ValueError: naming the first difference.
     """
     first_tree, first_specs = first
+    # TF's `from_tensor_slices((x, y)).batch(G)` habit: `(x, y)` itself is read as two batches.
+    hint = (" (Given whole arrays `(x, y)`? The dataset is read as a sequence of global "
+            "batches, so x and y were taken as two batches; batch them first, e.g. "
+            "`[(x[i:i + G], y[i:i + G]) for i in range(0, len(x), G)]`.)" if position == 1
+            else "")
     if tree != first_tree:
         raise ValueError(f"{what}: element {position} has structure {tree}, the first element "
-                         f"had {first_tree}; every element must have the same structure.")
+                         f"had {first_tree}; every element must have the same structure.{hint}")
     for i, (array, (dtype, shape)) in enumerate(zip(leaves, first_specs)):
         if array.dtype != dtype or array.shape[1:] != shape:
             raise ValueError(
                 f"{what}: leaf {i} of element {position} is {array.dtype}{list(array.shape)} "
                 f"but the first element's was {dtype}[rows, {', '.join(map(str, shape))}]; "
-                f"only the number of rows may change between batches."
+                f"only the number of rows may change between batches.{hint}"
             )

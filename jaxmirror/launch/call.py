@@ -100,9 +100,21 @@ def _check(fn, workers, devices_per_worker, args, kwargs, timeout, grace, env) -
                         f"got {env!r}.")
 
 
+def _host_arrays(tree):
+    """``tree`` with its ``jax.Array`` leaves as NumPy arrays: unpickling a ``jax.Array`` starts
+    JAX in the worker, after which its ``MultiWorkerMirroredStrategy`` could not join the
+    cluster (only plain containers are searched)."""
+    import jax  # only a call that ships arguments needs it
+    import numpy as np
+
+    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree,
+                        is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+
+
 def _payload(fn, args, kwargs) -> bytes:
+    args, kwargs = _host_arrays((tuple(args), dict(kwargs or {})))
     try:
-        call = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+        call = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
     except Exception as e:  # noqa: BLE001 - whatever pickling the user's objects raises
         raise TypeError(f"jaxmirror.launch.run: cannot pickle `fn`, `args` and `kwargs` for the "
                         f"workers: {type(e).__name__}: {e}") from e

@@ -185,6 +185,22 @@ class Metric:
         """
         zero(self._variables)
 
+    def reset_states(self) -> None:
+        """``reset_state()`` under the name Keras 2 (and TF's tutorials) used.
+
+        Returns:
+            None.
+
+        Example:
+            >>> from jaxmirror import metrics
+            >>> m = metrics.Mean()
+            >>> m.update_state([4.0])
+            >>> m.reset_states()
+            >>> float(m.result())
+            0.0
+        """
+        self.reset_state()
+
     def __call__(self, *args, **kwargs):
         """``update_state(*args, **kwargs)``, then ``result()``.
 

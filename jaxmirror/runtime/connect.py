@@ -58,7 +58,9 @@ def join(layout, timeout: float, api: str) -> None:
             f"{api}: JAX has already started in this process, so it can no longer join a "
             f"cluster of {layout.num_processes} workers (jax.distributed must start before "
             f"any JAX computation). Create the strategy first thing in the program, before "
-            f"other JAX work (in a notebook: restart the kernel).")
+            f"other JAX work (in a notebook: restart the kernel; in a function given to "
+            f"jaxmirror.launch.run: a jax.Array or flax object it captures starts JAX when the "
+            f"worker unpickles it, so capture NumPy arrays or build such objects inside).")
     if jax.config.jax_cpu_collectives_implementation is None:
         # Without an implementation CPU collectives cannot cross processes at all.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -275,3 +275,36 @@ def take_variables(args, kwargs, captured):
             leaves[i] = state_of(x)
     args, kwargs = jax.tree.unflatten(tree, leaves)
     return (tuple(positions), tuple(variables), captured), args, kwargs
+
+
+def check_not_donated(args, donate_argnums: tuple, api: str) -> None:
+    """Refuse a donated argument that an earlier call already donated (its arrays are deleted).
+
+    JAX 0.10 crashes the process (a segfault: a notebook's kernel dies) when a deleted array
+    reaches a program over several devices, instead of raising. Re-running a notebook cell
+    that calls a donating step on the same params does exactly that, so each donated argument's
+    first array is checked: O(depth), not O(leaves), and only for steps that donate.
+
+    Args:
+        args: the step's positional arguments.
+        donate_argnums: the positions the step donates.
+        api: the step's name, for the message.
+
+    Raises:
+        ValueError: naming the argument.
+
+    Example:
+        >>> check_not_donated((jnp.ones(2),), (0,), "step")  # alive: nothing happens
+    """
+    for i in donate_argnums:
+        if i >= len(args):
+            continue
+        x = args[i]
+        while isinstance(x, (dict, list, tuple)) and x:
+            x = next(iter(x.values())) if isinstance(x, dict) else x[0]
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"{api}: argument {i} holds arrays an earlier call donated (they are deleted); "
+                f"pass that call's results instead, e.g. `params, opt_state, loss = "
+                f"step(params, opt_state, batch)` (in a notebook: re-run the cell that made "
+                f"them, not only the one that calls the step).")

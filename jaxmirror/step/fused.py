@@ -92,6 +92,8 @@ class FusedStep:
                              carry_argnums)
 
         fused.__name__ = fused_each.__name__ = self.__name__
+        # Whose closure the trace checks for NNX state read by closure (captured_graphs).
+        fused.user_function_ref = fused_each.user_function_ref = lambda: fn
         # The program cache keeps a program as long as its function lives: these do.
         self._functions = (fused, fused_each)
         donated = tuple(i + 1 for i in donate_argnums)

@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from jaxmirror.core import context
+from jaxmirror.core import _compat, context
 from jaxmirror.core.values import is_distributed
 
 
@@ -71,6 +71,12 @@ def split_arguments(args, kwargs, placement):
     positions = tuple(i for i, x in enumerate(leaves) if is_graph_node(x))
     nodes = [leaves[i] for i in positions]
     graphdef, state = nnx.split(nodes)  # one split: objects shared between arguments stay shared
+    if any(map(_compat.is_tracer, jax.tree.leaves(state))):
+        raise RuntimeError(
+            "a step given flax NNX objects was called inside jax.jit, nnx.jit or another JAX "
+            "transformation (TF's @tf.function around a distributed step): the step is "
+            "compiled already, and the objects' updates cannot leave the outer trace; call the "
+            "step directly (drop the outer jit), or pass nnx.state(...) arrays instead.")
     state = jax.tree.map(lambda x: _on_devices(x, placement), state, is_leaf=is_distributed)
     taken = set(positions)
     others = [x for i, x in enumerate(leaves) if i not in taken]

@@ -50,7 +50,9 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         sample_weight: ``None``, or weights broadcastable to ``per_example_loss`` (one rank more
             or less is matched as TF does: a ``(B, 1)`` weight for ``(B,)`` losses).
         global_batch_size: a positive int; by default the replica's batch size times
-            ``num_replicas_in_sync``.
+            ``num_replicas_in_sync`` (TF's default), except on a padded batch from a
+            distributed dataset, where it is the number of real rows over all replicas (TF's
+            default would count the padding; see above).
 
     Returns:
         A scalar of ``per_example_loss``'s dtype.

@@ -28,7 +28,9 @@ def replicate(placement, tree):
     """``tree`` with every array replicated over the strategy's devices.
 
     NNX objects in it are updated in place (their ``nnx.Variable``s get the placed arrays) and
-    returned; other arrays are returned placed; distributed values are left as they are.
+    returned; other arrays are returned placed; distributed values are left as they are. The
+    placed arrays never share a buffer with the given ones, so donating them to a step leaves
+    the caller's arrays alive.
 
     Args:
         placement: the strategy's ``Placement``.
@@ -39,10 +41,10 @@ def replicate(placement, tree):
     """
     def place(x):
         if is_graph_node(x):
-            nnx.update(x, placement.store(nnx.state(x)))
+            nnx.update(x, placement.store(nnx.state(x), owned=True))
             return x
         if isinstance(x, jax.Array) or (hasattr(x, "__array__") and not is_distributed(x)):
-            return placement.store(x)
+            return placement.store(x, owned=True)
         return x
 
     return jax.tree.map(place, tree, is_leaf=lambda x: is_graph_node(x) or is_distributed(x))

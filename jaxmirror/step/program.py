@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from jaxmirror.core import _compat, binding, inflight
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
-from jaxmirror.step import graphs, placing
-from jaxmirror.step.arguments import check_arguments, has_variables, take_variables
+from jaxmirror.step import captured_graphs, graphs, placing
+from jaxmirror.step.arguments import (check_arguments, check_not_donated, has_variables,
+                                      take_variables)
 from jaxmirror.step.call_rules import check_can_run, wants_arguments
 from jaxmirror.step.step_sums import (attach_sums, reducible_in_step, reductions_in_step,
                                       sum_paths)
@@ -99,6 +100,8 @@ class Program:
 
     def __call__(self, *args, **kwargs):
         check_can_run(self._strategy)
+        if self._donate_argnums:
+            check_not_donated(args, self._donate_argnums, self.__name__)
         mode = self._mode
         if mode is not None:
             return mode(self, args, kwargs)
@@ -187,6 +190,7 @@ class Program:
         if program is None:
             step = functools.partial(_graph_step, self._fn_ref, key)
             step.__name__ = self.__name__
+            step.user_function_ref = self._fn_ref  # whose closure captured_graphs checks
             # Donating an NNX object donates its state: the object gets the new arrays.
             donated = any(graphs.has_graph_nodes(args[i]) for i in self._donate_argnums
                           if i < len(args))
@@ -381,8 +385,13 @@ class Program:
             # trace, so that finding which ones it uses costs no second run of its Python.
             taken = set(map(id, resolved[1] + resolved[2])) if resolved else set()
             candidates = tuple(v for v in created_in(self._strategy) if id(v) not in taken)
-            traced = trace_replica(self._strategy, self._fn_ref(), in_tree, n_args, local,
+            fn = self._fn_ref()
+            traced = trace_replica(self._strategy, fn, in_tree, n_args, local,
                                    resolved, padded, candidates)
+            user = fn  # the user's own function, behind the wrappers of NNX and fused steps
+            while getattr(user, "user_function_ref", None) is not None:
+                user = user.user_function_ref()
+            captured_graphs.check_constants(user, traced.jaxpr.consts, self.__name__)
             cacheable = not any(_compat.is_tracer(c) for c in traced.jaxpr.consts)
             if traced.adopted:  # the next call passes them: keep the trace for that call
                 positions, variables, captured = resolved or ((), (), ())

@@ -344,12 +344,8 @@ class ParameterServerStrategy(Strategy):
     def __deepcopy__(self, memo):
         raise TypeError("ParameterServerStrategy cannot be copied: it owns a Ray cluster.")
 
-    def display_items(self) -> list:
-        """What the rich display shows: the cluster, then each worker's replicas.
-
-        Returns:
-            A list of ``(property, value)`` pairs.
-        """
+    def _display_items(self) -> list:
+        """What the rich display shows: the cluster, then each worker's replicas."""
         cluster = self.extended.ray_cluster
         return [("workers", cluster.num_workers), ("parameter servers", len(cluster.ps)),
                 ("replicas per worker", self.num_replicas_in_sync),

@@ -337,20 +337,11 @@ class Strategy(InputMethods):
     def _repr_html_(self) -> str | None:
         # Jupyter's rich display: what the strategy runs on, one property per row.
         return rich_display.safe_html(lambda: rich_display.property_table(
-            type(self).__name__, self.display_items()))
+            type(self).__name__, self._display_items()))
 
-    def display_items(self) -> list:
-        """What the rich display shows: ``(property, value)`` pairs.
-
-        Returns:
-            A list of pairs: replicas, devices, mesh, workers, where variables live and the
-            cross-device ops.
-
-        Example:
-            >>> import jaxmirror
-            >>> dict(jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"]).display_items())["mesh"]
-            'replica: 2'
-        """
+    def _display_items(self) -> list:
+        """What the rich display shows: ``(property, value)`` pairs (replicas, devices, mesh,
+        workers, where variables live, the cross-device ops); strategies add their own."""
         placement = self.extended.placement
         workers = len({d.process_index for d in placement.devices})
         storage = (f"on {rich_display.device_list(placement.parameter_devices)} (central "

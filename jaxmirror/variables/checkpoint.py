@@ -11,6 +11,8 @@ import os
 
 import jax
 import numpy as np
+from flax import nnx
+from flax.nnx import graphlib
 
 from jaxmirror.core import context
 from jaxmirror.variables import checkpoint_files as files
@@ -192,7 +194,8 @@ def restore_into(target, saved):
 
     Every variable of ``target`` is assigned its saved value in place, as a cross-replica
     ``assign`` does (a SUM sync-on-read variable of ``N`` replicas gets ``value / N`` per
-    component; a mirrored variable gets the value in every component). Every other leaf is
+    component; a mirrored variable gets the value in every component), and every flax NNX
+    object (model, optimizer) takes its saved state in place. Every other leaf is
     replaced by the saved value, cast to its dtype and placed like it: with its sharding for a
     ``jax.Array`` (or a ``jax.ShapeDtypeStruct`` that has one), on the host as NumPy for a NumPy
     array or an abstract leaf without sharding, as a Python number for a number. Leaves are
@@ -250,7 +253,26 @@ def restore_into(target, saved):
         for handle, value in old_remote:
             handle.assign(value, read_value=False)
         raise
-    return jax.tree.unflatten(treedef, out)
+    return _nnx_updated_in_place(target, jax.tree.unflatten(treedef, out))
+
+
+def _nnx_updated_in_place(target, restored):
+    """``restored`` with the NNX objects of ``target`` given their restored state in place (as
+    variables are assigned in place: TF's ``Checkpoint.restore`` habit), not as new copies."""
+    target_nodes = jax.tree.leaves(target, is_leaf=graphlib.is_graph_node)
+    if not any(map(graphlib.is_graph_node, target_nodes)):
+        return restored
+    restored_nodes, tree = jax.tree.flatten(restored, is_leaf=graphlib.is_graph_node)
+    out = []
+    for old, new in zip(target_nodes, restored_nodes):
+        if isinstance(old, nnx.Variable):
+            old.set_value(new.get_value())
+        elif graphlib.is_graph_node(old):
+            nnx.update(old, nnx.state(new))
+        else:
+            old = new
+        out.append(old)
+    return jax.tree.unflatten(tree, out)
 
 
 def _assign_handles_all_or_nothing(writes) -> list:
@@ -285,8 +307,8 @@ def _assign_all_or_nothing(writes) -> None:
 def restore(directory, target):
     """Restore the checkpoint in ``directory`` into ``target``; return the restored tree.
 
-    The checkpoint may have been written with any number of replicas (or none). Variables of
-    ``target`` are assigned in place (see ``restore_into``: a SUM sync-on-read variable of ``N``
+    The checkpoint may have been written with any number of replicas (or none). Variables and
+    flax NNX objects (models, optimizers) of ``target`` are updated in place (see ``restore_into``: a SUM sync-on-read variable of ``N``
     replicas gets ``value / N`` per component, a mirrored one the value in every component) and
     returned in the result; arrays are read straight into the target leaf's sharding (a
     ``jax.Array`` or a ``jax.ShapeDtypeStruct`` with one), into NumPy arrays for NumPy or

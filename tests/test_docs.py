@@ -1,0 +1,188 @@
+"""``make docs``: the Sphinx site builds offline and warning-free, and shows every public name.
+
+The build runs in a subprocess with the network cut off: a ``sitecustomize`` on ``PYTHONPATH``
+makes every socket connection to a non-loopback address, and every name lookup other than
+``localhost``, raise, and the proxy variables point at a closed local port. An extension that
+fetched anything (intersphinx, an image) would fail the ``-W`` build. The generated API pages
+must hold an entry for every name of every public module's ``__all__`` (a name whose
+docstring does not render, or that autodoc cannot import, is caught here), and no inline
+literal left open (a run of text set as code up to the next double backquote).
+
+The pages' runnable code (their ``python`` blocks and the ``jaxmirror`` halves of the porting
+guide's pairs) is run too, page by page, on 8 simulated CPU devices; the parameter-server guide
+is left out (it starts a Ray cluster; ``notebooks/06_parameter_server.ipynb`` runs the same).
+"""
+
+import importlib
+import os
+import re
+import runpy
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+BUILD_TIMEOUT = 300  # seconds; the build takes 10 to 20 s on a 2-core machine
+CODE_TIMEOUT = 240
+
+NO_NETWORK = '''
+"""Installed by tests/test_docs.py: no network for this process, loopback only."""
+import ipaddress
+import socket
+
+MESSAGE = "network disabled for the docs build"
+_connect, _connect_ex, _getaddrinfo = (socket.socket.connect, socket.socket.connect_ex,
+                                       socket.getaddrinfo)
+
+
+def _local(address):
+    if not isinstance(address, tuple):  # AF_UNIX paths and the like
+        return True
+    host = address[0]
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def connect(self, address):
+    if not _local(address):
+        raise OSError(f"{MESSAGE}: connect to {address!r}")
+    return _connect(self, address)
+
+
+def connect_ex(self, address):
+    if not _local(address):
+        raise OSError(f"{MESSAGE}: connect to {address!r}")
+    return _connect_ex(self, address)
+
+
+def getaddrinfo(host, *args, **kwargs):
+    if host is not None and not _local((host.decode() if isinstance(host, bytes) else host,)):
+        raise socket.gaierror(f"{MESSAGE}: lookup of {host!r}")
+    return _getaddrinfo(host, *args, **kwargs)
+
+
+socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = (connect, connect_ex,
+                                                                       getaddrinfo)
+'''
+
+
+def _offline_env(tmp_path):
+    guard = tmp_path / "no_network"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(NO_NETWORK)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(guard), str(ROOT)] + (
+        [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
+                 "all_proxy"):
+        env[name] = "http://127.0.0.1:9"  # the discard port: nothing listens
+    env.pop("NO_PROXY", None)
+    env.pop("no_proxy", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["TMPDIR"] = str(tmp_path)
+    return env
+
+
+def _public_modules():
+    """``jaxmirror`` and every module reachable through the ``__all__`` lists."""
+    order, i = ["jaxmirror"], 0
+    while i < len(order):
+        module = importlib.import_module(order[i])
+        i += 1
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if isinstance(obj, types.ModuleType) and obj.__name__ not in order:
+                order.append(obj.__name__)
+    return order
+
+
+def test_conf_uses_no_extension_that_needs_the_network():
+    conf = runpy.run_path(str(DOCS / "conf.py"))
+    assert not any("intersphinx" in ext for ext in conf["extensions"]), conf["extensions"]
+    assert "intersphinx_mapping" not in conf
+    assert conf["html_theme"] == "furo"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The site, built once for this module's tests: (the HTML folder, the build's output)."""
+    tmp_path = tmp_path_factory.mktemp("docs")
+    env = _offline_env(tmp_path)
+    probe = subprocess.run(  # the guard is active in the build's interpreter
+        [sys.executable, "-c",
+         "import socket\ntry:\n socket.create_connection(('192.0.2.1', 80), timeout=5)\n"
+         "except OSError as e:\n print(e)"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert "network disabled for the docs build" in probe.stdout, probe.stdout + probe.stderr
+    html = tmp_path / "html"
+    build = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q",
+         "-d", str(tmp_path / "doctrees"), str(DOCS), str(html)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+    assert build.returncode == 0, f"sphinx failed:\n{build.stdout}\n{build.stderr}"
+    return html, build.stdout + build.stderr
+
+
+def test_build_is_warning_free_and_has_every_page(built):
+    html, output = built
+    assert "WARNING" not in output and "ERROR" not in output, output
+    pages = ["index", "quickstart", "porting", "features", "guides/nnx_linen",
+             "guides/multi_worker", "guides/parameter_server", "guides/performance",
+             "api/index"] + [f"api/{m}" for m in _public_modules()]
+    missing = [p for p in pages if not (html / f"{p}.html").is_file()]
+    assert missing == []
+
+
+@pytest.mark.parametrize("modname", _public_modules())
+def test_every_public_name_has_an_api_entry(built, modname):
+    html, _ = built
+    page = (html / "api" / f"{modname}.html").read_text()
+    assert f'id="module-{modname}"' in page
+    module = importlib.import_module(modname)
+    missing = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if isinstance(obj, types.ModuleType):  # its own page, linked from here
+            target = html / "api" / f"{obj.__name__}.html"
+            if not target.is_file() or f'href="{obj.__name__}.html"' not in page:
+                missing.append(name)
+        elif f'id="{modname}.{name}"' not in page:
+            missing.append(name)
+    assert missing == [], f"{modname}: no API entry for {missing}"
+    text = re.sub(r"<[^>]+>", "", page)
+    assert "``" not in text, "an inline literal was left open in a docstring"
+
+
+def _runnable_code(page: Path) -> str:
+    """A page's ``python`` blocks and ``{code-block} python`` blocks captioned ``jaxmirror``."""
+    blocks = []
+    for fence, kind, body in re.findall(r"^(`{3,})(\{code-block\} python|python)\n(.*?)^\1[ \t]*$",
+                                        page.read_text(), re.S | re.M):
+        if kind.startswith("{code-block}"):
+            options, _, body = body.partition("\n\n") if body.startswith(":") else ("", "", body)
+            caption = re.search(r":caption: *(.*)", options)
+            if caption and caption.group(1).strip() != "jaxmirror":
+                continue  # TensorFlow's side of a pair, or a script shown whole
+        blocks.append(body)
+    return "\n\n".join(blocks)
+
+
+@pytest.mark.parametrize("page", ["index", "quickstart", "porting", "guides/nnx_linen",
+                                  "guides/multi_worker", "guides/performance"])
+def test_the_pages_code_runs(tmp_path, page):
+    code = _runnable_code(DOCS / f"{page}.md")
+    assert "jaxmirror" in code
+    script = tmp_path / "page.py"
+    script.write_text(code)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=CODE_TIMEOUT)
+    assert run.returncode == 0, f"{page}.md's code failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
