@@ -6,8 +6,9 @@ Built offline (``make docs``): no extension here reaches the network (no intersp
 import os
 import sys
 
-sys.path.insert(0, os.path.abspath("_ext"))
-sys.path.insert(0, os.path.abspath(".."))
+_HERE = os.path.dirname(os.path.abspath(__file__))  # not the working directory: tests run it
+sys.path.insert(0, os.path.join(_HERE, "_ext"))
+sys.path.insert(0, os.path.dirname(_HERE))
 
 project = "jaxmirror"
 author = "the jaxmirror authors"

@@ -91,6 +91,42 @@ def test_jit_around_a_step_given_nnx_objects_says_to_call_it_directly():
     np.testing.assert_array_equal(model.kernel[...], before)
     assert step(model, X) is not None  # called directly it runs
 
+    @jax.jit  # TF's @tf.function around a distributed step that uses a global model
+    def distributed_step(x):
+        return s.reduce("sum", step(model, x), axis=None)
+    with pytest.raises(RuntimeError, match="call the step directly"):
+        distributed_step(X)
+    np.testing.assert_array_equal(model.kernel[...], before)
+
+
+def test_closure_reads_through_wrappers_objects_and_inner_jits_are_refused():
+    s = strategy(2)
+    model = _model(s)
+
+    class Trainer:  # a plain object holding the model, its method as the step
+        def __init__(self, model):
+            self.model = model
+
+        def step(self, x):
+            return self.model(x).sum()
+
+    jitted = jax.jit(lambda x: model(x).sum())  # the closure is read by an inner jit
+    for fn, name in ((model, "the step itself"), (Trainer(model).step, "self.model"),
+                     (lambda x: jitted(x), "model")):
+        with pytest.raises(ValueError, match=f"`{name}` \\(Linear\\)"):
+            s.run(fn, args=(X,))
+    # A big or self-referencing container reached by the step is searched only so far.
+    loop = [list(range(5000))]
+    loop.append(loop)
+    assert float(s.run(lambda x: jnp.sum(x) + len(loop), args=(X,))) == 10.0
+
+
+def test_float_of_a_per_replica_value_says_what_to_do():
+    s = strategy(2)
+    v = s.experimental_distribute_values_from_function(lambda ctx: 1.0)
+    with pytest.raises(TypeError, match=r"float\(strategy.reduce\('sum', v, axis=None\)\)"):
+        float(v)
+
 
 def test_restore_updates_nnx_objects_in_place_as_it_does_variables():
     s = strategy(2)

@@ -16,7 +16,8 @@ from flax import nnx
 
 import jaxmirror
 from conftest import ctx, strategy
-from jaxmirror.step.padding_check import PaddedRowsWarning, unmasked_row_reductions
+from jaxmirror.step.padding_check import (GATHERED, RETURNED, PaddedRowsWarning,
+                                          unmasked_row_reductions)
 
 X = np.arange(6.0, dtype=np.float32).reshape(3, 2)
 Y = np.array([1.0, 0.0, 2.0], np.float32)
@@ -101,8 +102,8 @@ QUIET = {
         "mean", jnp.sum(jnp.where(ctx().batch_mask, y, 0)) / jnp.sum(ctx().batch_mask)),
     "max": lambda x, y: ctx().all_reduce("sum", jnp.max(x)),
     "argmin": lambda x, y: ctx().all_reduce("sum", jnp.argmin(y)),
-    "only_returned": lambda x, y: (jnp.mean(x), jnp.sum(y)),
-    "per_row_sum": lambda x, y: ctx().all_gather(x.sum(axis=1), axis=0),
+    "masked_returned": lambda x, y: jnp.sum(y * ctx().batch_mask),
+    "rows_returned": lambda x, y: x * 2,  # local results and gather keep the real rows only
 }
 
 
@@ -214,11 +215,7 @@ NOT_FOUND = {
     "max_min_argmax": lambda x, c: jax.lax.psum(x.max() + x.min(0).sum() + x.argmax(0).sum(),
                                                 "r"),
     "per_row_values": lambda x, c: jax.lax.psum(jnp.tanh(x @ jnp.ones((3, 2))), "r"),
-    "feature_sum": lambda x, c: jax.lax.all_gather(x.sum(1), "r"),
     "forward_cumsum_rows": lambda x, c: jax.lax.psum(jnp.cumsum(x, 0), "r"),
-    "pmax": lambda x, c: jax.lax.pmax(jnp.mean(x), "r"),
-    "no_collective": lambda x, c: (jnp.mean(x), x.T @ x),
-    "other_axis": lambda x, c: jax.lax.psum(jnp.mean(x), "other"),
     "masked_grad": lambda x, c: jax.lax.psum(jax.grad(
         lambda w: jnp.sum(jnp.where(mask(c), (x @ w) ** 2, 0)) / c.sum())(jnp.ones(3)), "r"),
     # What a loop the row counts stop carries depends on them: masked, like any dependency.
@@ -232,8 +229,62 @@ def test_masked_or_harmless_reductions_are_not_found(name):
     assert found(NOT_FOUND[name], (4, 3), axes=(("r", 2), ("other", 2))) == []
 
 
+# Not sums across replicas: only the returned value, which still counts the padding, is found.
+NOT_SUMMED_ACROSS_REPLICAS = {
+    "pmax": lambda x, c: jax.lax.pmax(jnp.mean(x), "r"),
+    "no_collective": lambda x, c: jnp.mean(x),
+    "other_axis": lambda x, c: jax.lax.psum(jnp.mean(x), "other"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SUMMED_ACROSS_REPLICAS))
+def test_collectives_that_do_not_sum_across_replicas_are_not_found(name):
+    findings = found(NOT_SUMMED_ACROSS_REPLICAS[name], (4, 3), axes=(("r", 2), ("other", 2)))
+    assert [f.split(" at ")[0] for f in findings] == [RETURNED + "reduce_sum"]
+
+
 def test_reduction_of_an_unpadded_input_is_not_found():
     jaxpr = jax.make_jaxpr(lambda x, y: jax.lax.psum(jnp.mean(y), "r"), axis_env=[("r", 2)])(
         jnp.ones((4, 3)), jnp.ones((4, 3))).jaxpr
     assert unmasked_row_reductions(jaxpr, {0: 0}, [], "r") == []
     assert len(unmasked_row_reductions(jaxpr, {1: 0}, [], "r")) == 1
+
+
+def test_a_sum_over_rows_returned_by_the_step_is_found_once():
+    # TF's counting idiom: sum in the step, strategy.reduce outside; padding would be counted.
+    def step(x, c):
+        mean = jnp.mean(x)
+        gram = x.T @ x
+        return mean, gram, jax.lax.psum(jnp.sum(x), "r")
+
+    findings = found(step, (4, 3))
+    assert [f.split(" at ")[0] for f in findings] == [
+        "psum", RETURNED + "reduce_sum", RETURNED + "dot_general"]
+
+
+def test_an_all_gather_of_a_padded_batchs_rows_is_found():
+    assert [f.split(" at ")[0] for f in found(lambda x, c: jax.lax.all_gather(x.sum(1), "r"),
+                                               (4, 3))] == [GATHERED + "all_gather"]
+    # Masked rows (padding zeroed) and rows of unpadded inputs are fine.
+    assert found(lambda x, c: jax.lax.all_gather(jnp.where(mask(c)[:, None], x, 0), "r"),
+                 (4, 3)) == []
+
+
+def test_returned_and_gathered_padding_warn_through_run(setup):
+    s, batch = setup
+
+    def count(x, y):
+        return jnp.sum(y)
+
+    (w,) = warnings_of(s, count, batch)
+    assert str(w.message).startswith("run: a sum or mean over the rows of a padded batch is a "
+                                     "result of the step")
+    # What the warning is about: 3 real rows, summed with the padded copy.
+    assert float(s.reduce("sum", s.run(count, args=batch), axis=None)) == 3.0 + 2.0
+
+    def gathered(x, y):
+        return ctx().all_gather(y, axis=0)
+
+    (w,) = warnings_of(s, gathered, batch)
+    assert "all_gather of a padded batch's rows gathers the padded rows too" in str(w.message)
+    assert "strategy.gather" in str(w.message)

@@ -112,3 +112,11 @@ def test_a_display_that_fails_falls_back_to_repr():
             raise RuntimeError("boom")
     broken = Broken(jnp.zeros((2, 1)))
     assert broken._repr_html_() is None  # Jupyter then shows repr()
+
+
+def test_a_donated_value_says_so_and_only_the_shown_values_are_read(strategy):
+    v = strategy.experimental_distribute_values_from_function(lambda ctx: jnp.ones(3))
+    strategy.function(lambda x: x + 1, donate_argnums=(0,))(v)
+    assert "deleted: donated to a step" in v._repr_html_() and "deleted" in repr(v)
+    big = strategy.extended.placement.replicate(jnp.arange(10_000.0))
+    assert rich_display.preview(big) == "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, …] (10000 values)"

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 import numpy as np
+import optax
 import pytest
 
 import jaxmirror as jm
@@ -329,6 +330,13 @@ def test_passing_donated_params_again_is_a_clear_error_not_a_crash():
     with pytest.raises(ValueError, match=r"argument 0 holds arrays an earlier call donated"):
         step(params, 1.0)  # a notebook cell run twice
     assert step(new, 1.0)["w"][0].tolist() == [2.0] * 4
+    # An optax chain's state starts with an empty EmptyState: its first array is still found.
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(0.1))
+    opt_step = s.function(lambda o: jax.tree.map(lambda v: v + 1, o), donate_argnums=(0,))
+    state = s.experimental_replicate(tx.init({"w": np.zeros(2, np.float32)}))
+    opt_step(state)
+    with pytest.raises(ValueError, match="argument 0 holds arrays an earlier call donated"):
+        opt_step(state)
 
 
 def test_donating_replicated_params_leaves_the_callers_arrays_alive():

@@ -21,6 +21,8 @@ from jaxmirror.core import _compat, devices
 
 # How many leading values of each component a table shows.
 PREVIEW_VALUES = 6
+# What a table shows for an array a step was given with donate_argnums.
+DELETED = "(deleted: donated to a step; use the step's results)"
 
 _STYLE = ("<style>.jaxmirror-table td, .jaxmirror-table th {text-align: left; "
           "padding: 2px 8px; font-family: monospace;}</style>")
@@ -43,12 +45,16 @@ def preview(value, limit: int = PREVIEW_VALUES) -> str:
     """
     if _compat.is_tracer(value):
         return "(traced: no values until the step runs)"
-    array = np.asarray(value)
-    if array.ndim == 0:
-        return repr(array.item())
-    flat = array.reshape(-1)
-    shown = ", ".join(repr(x) for x in flat[:limit].tolist())
-    more = f", …] ({flat.size} values)" if flat.size > limit else "]"
+    if isinstance(value, jax.Array) and value.is_deleted():
+        return DELETED
+    size = int(np.prod(np.shape(value)))
+    if np.ndim(value) == 0:
+        return repr(np.asarray(value).item())
+    # Only the values shown leave the device, not the whole array.
+    head = np.asarray(value.reshape(-1)[:limit] if isinstance(value, jax.Array)
+                      else np.asarray(value).reshape(-1)[:limit])
+    shown = ", ".join(repr(x) for x in head.tolist())
+    more = f", …] ({size} values)" if size > limit else "]"
     return f"[{shown}{more}"
 
 
@@ -110,6 +116,8 @@ def shard_rows(array, stacked: bool, limit: int = PREVIEW_VALUES) -> list[list[s
     """
     if _compat.is_tracer(array):
         return [["(traced)", str(tuple(array.shape)), str(array.dtype), preview(array)]]
+    if isinstance(array, jax.Array) and array.is_deleted():
+        return [["", str(tuple(array.shape)), str(array.dtype), DELETED]]
     shards = getattr(array, "addressable_shards", None)
     if shards is None:
         host = np.asarray(array)

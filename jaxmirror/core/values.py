@@ -37,10 +37,14 @@ class DistributedValues:
         raise NotImplementedError
 
     def _repr_components(self) -> str:
+        payload = self._payload()
+        if isinstance(payload, jax.Array) and not _compat.is_tracer(payload) and \
+                payload.is_deleted():
+            return f"{{ {rich_display.DELETED} }}"
         try:
             parts = self.values
         except Exception:  # a tracer of unknown length, say
-            return f"{{ {self._payload()!r} }}"
+            return f"{{ {payload!r} }}"
         body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(parts))
         return "{\n" + body + "\n}"
 
@@ -151,7 +155,8 @@ class PerReplica(DistributedValues):
 
     def display_rows(self) -> list:
         # A batch shows its real rows only; the replica comes from where the shard sits.
-        if _compat.is_tracer(self._stacked) or not isinstance(self._stacked, jax.Array):
+        if (_compat.is_tracer(self._stacked) or not isinstance(self._stacked, jax.Array)
+                or self._stacked.is_deleted()):
             return [["all"] + row for row in rich_display.shard_rows(self._stacked, False)]
         counts = None if self._row_counts is None else host_counts(self._row_counts)
         rows = []
@@ -173,6 +178,12 @@ class PerReplica(DistributedValues):
             "strategy.gather(v, axis=0), combine them with strategy.reduce, or use the "
             "replica-stacked global array v.stacked."
         )
+
+    def __float__(self):
+        # Python's own error would not say what to do (TF's `float(per_replica)` fails too).
+        raise TypeError(
+            "PerReplica: float() needs one value, and this has one per replica; combine them "
+            "first: float(strategy.reduce('sum', v, axis=None)) (or 'mean').")
 
 
 class GatheredPerReplica(PerReplica):

@@ -107,8 +107,13 @@ def _host_arrays(tree):
     import jax  # only a call that ships arguments needs it
     import numpy as np
 
-    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree,
-                        is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+    def host(x):
+        # A typed PRNG key has no NumPy form: it travels as it is.
+        if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return np.asarray(x)
+        return x
+
+    return jax.tree.map(host, tree, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
 
 
 def _payload(fn, args, kwargs) -> bytes:

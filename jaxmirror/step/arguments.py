@@ -277,13 +277,32 @@ def take_variables(args, kwargs, captured):
     return (tuple(positions), tuple(variables), captured), args, kwargs
 
 
+def _first_array(tree, depth: int = 64):
+    """The first ``jax.Array`` of ``tree`` in pytree order, or ``None``; visits only the nodes
+    before it (an ``optax.EmptyState`` or an empty dict first is skipped)."""
+    if isinstance(tree, jax.Array):
+        return tree
+    if depth == 0 or tree is None or isinstance(tree, (np.ndarray, np.generic, int, float, bool,
+                                                       str)):
+        return None
+    children = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0]
+    if len(children) == 1 and children[0] is tree:  # a leaf that is not an array
+        return None
+    for child in children:
+        found = _first_array(child, depth - 1)
+        if found is not None:
+            return found
+    return None
+
+
 def check_not_donated(args, donate_argnums: tuple, api: str) -> None:
     """Refuse a donated argument that an earlier call already donated (its arrays are deleted).
 
     JAX 0.10 crashes the process (a segfault: a notebook's kernel dies) when a deleted array
     reaches a program over several devices, instead of raising. Re-running a notebook cell
     that calls a donating step on the same params does exactly that, so each donated argument's
-    first array is checked: O(depth), not O(leaves), and only for steps that donate.
+    first array is checked (found depth first, stopping there: not O(leaves)), and only for
+    steps that donate.
 
     Args:
         args: the step's positional arguments.
@@ -297,12 +316,8 @@ def check_not_donated(args, donate_argnums: tuple, api: str) -> None:
         >>> check_not_donated((jnp.ones(2),), (0,), "step")  # alive: nothing happens
     """
     for i in donate_argnums:
-        if i >= len(args):
-            continue
-        x = args[i]
-        while isinstance(x, (dict, list, tuple)) and x:
-            x = next(iter(x.values())) if isinstance(x, dict) else x[0]
-        if isinstance(x, jax.Array) and x.is_deleted():
+        x = _first_array(args[i]) if i < len(args) else None
+        if x is not None and x.is_deleted():
             raise ValueError(
                 f"{api}: argument {i} holds arrays an earlier call donated (they are deleted); "
                 f"pass that call's results instead, e.g. `params, opt_state, loss = "

@@ -10,7 +10,9 @@ checked instead: if a constant of the program is an array of such an object, the
 refused before it runs, with a message saying to pass the object as an argument.
 
 Finding the objects walks the step's bytecode (the globals it loads, its closure cells, and
-the functions of its own module that it calls, a few levels deep), once per trace.
+the user's own functions it calls, a few levels deep), the attributes of a callable object or
+of a bound method's ``self``, and ``functools.partial`` and ``functools.wraps`` layers, once per
+trace and only when the program has constants.
 """
 
 from __future__ import annotations
@@ -18,15 +20,22 @@ from __future__ import annotations
 import dis
 import functools
 import inspect
+import sysconfig
 
 import jax
 from flax import nnx
 from flax.nnx import graphlib
 
+from jaxmirror.core import _compat
+
 # How many levels of the user's own helper functions are followed from the step.
 _DEPTH = 3
-# Containers bigger than this (a global list of thousands of arrays) are not searched.
-_MAX_LEAVES = 1000
+# How many container items are looked at per value the step reaches (a global list of
+# thousands of arrays is not searched to its end).
+_MAX_ITEMS = 1000
+# Where libraries live: their functions are never followed.
+_LIBRARY_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
+                                                           "platlib")})
 
 
 def reached_objects(fn) -> list:
@@ -53,15 +62,26 @@ def _search(fn, found: dict, seen: set, depth: int) -> None:
     if id(fn) in seen or depth < 0:
         return
     seen.add(id(fn))
-    while isinstance(fn, functools.partial):
-        for i, value in enumerate(fn.args):
-            _note(f"partial argument {i}", value, found)
-        for name, value in fn.keywords.items():
-            _note(f"partial argument {name}", value, found)
-        fn = fn.func
+    while True:
+        if isinstance(fn, functools.partial):
+            for i, value in enumerate(fn.args):
+                _note(f"partial argument {i}", value, found)
+            for name, value in fn.keywords.items():
+                _note(f"partial argument {name}", value, found)
+            fn = fn.func
+        elif getattr(fn, "__wrapped__", None) is not None:  # functools.wraps, jax.jit
+            fn = fn.__wrapped__
+        else:
+            break
+    if graphlib.is_graph_node(fn):  # a module called as the step: `strategy.run(model, ...)`
+        _note("the step itself", fn, found)
+        return
     if inspect.ismethod(fn):
-        _note("self", fn.__self__, found)
+        _note_attributes("self", fn.__self__, found)
         fn = fn.__func__
+    elif not inspect.isfunction(fn) and callable(fn):  # an object with __call__
+        _note_attributes("self", fn, found)
+        fn = getattr(type(fn), "__call__", None)
     code = getattr(fn, "__code__", None)
     if code is None:
         return
@@ -72,18 +92,29 @@ def _search(fn, found: dict, seen: set, depth: int) -> None:
         except ValueError:  # a cell not filled yet
             continue
         _note(name, value, found)
-        _follow(value, fn, found, seen, depth)
+        _follow(value, found, seen, depth)
     for name in _global_names(code):
         if name in fn.__globals__:
             value = fn.__globals__[name]
             _note(name, value, found)
-            _follow(value, fn, found, seen, depth)
+            _follow(value, found, seen, depth)
 
 
-def _follow(value, fn, found: dict, seen: set, depth: int) -> None:
-    # Only the user's own helpers (defined in the step's module): never into libraries.
-    if inspect.isfunction(value) and value.__module__ == getattr(fn, "__module__", None):
+def _follow(value, found: dict, seen: set, depth: int) -> None:
+    # Only the user's own helpers (also under jax.jit or functools.wraps): never into
+    # libraries (flax, optax, jax, the stdlib).
+    if callable(value) and getattr(value, "__wrapped__", None) is not None:
+        try:
+            value = inspect.unwrap(value)
+        except ValueError:  # a cycle of __wrapped__
+            return
+    if inspect.isfunction(value) and not _in_library(value):
         _search(value, found, seen, depth - 1)
+
+
+def _in_library(fn) -> bool:
+    path = getattr(fn.__code__, "co_filename", "")
+    return path.startswith(_LIBRARY_DIRS) or fn.__module__.split(".")[0] == "jaxmirror"
 
 
 def _global_names(code) -> set:
@@ -98,14 +129,46 @@ def _global_names(code) -> set:
 
 
 def _note(name: str, value, found: dict) -> None:
+    """Record ``value``, or the NNX objects inside a plain container of it (bounded)."""
     if graphlib.is_graph_node(value):
         found.setdefault(id(value), (name, value))
-    elif isinstance(value, (list, tuple, dict)):
-        leaves = jax.tree.leaves(value, is_leaf=graphlib.is_graph_node)
-        if len(leaves) <= _MAX_LEAVES:
-            for leaf in leaves:
-                if graphlib.is_graph_node(leaf):
-                    found.setdefault(id(leaf), (name, leaf))
+        return
+    if not isinstance(value, (list, tuple, dict)):
+        if _plain_object(value):  # `trainer.model`, a SimpleNamespace of objects
+            for attr, child in list(vars(value).items())[:_MAX_ITEMS]:
+                if graphlib.is_graph_node(child):
+                    found.setdefault(id(child), (f"{name}.{attr}", child))
+        return
+    stack, visited, budget = [value], set(), _MAX_ITEMS
+    while stack and budget > 0:
+        item = stack.pop()
+        if id(item) in visited:
+            continue
+        visited.add(id(item))
+        for child in (item.values() if isinstance(item, dict) else item):
+            budget -= 1
+            if graphlib.is_graph_node(child):
+                found.setdefault(id(child), (name, child))
+            elif isinstance(child, (list, tuple, dict)):
+                stack.append(child)
+            if budget <= 0:
+                break
+
+
+def _plain_object(value) -> bool:
+    """An instance with attributes of its own, not a module, class, function or array."""
+    return (hasattr(value, "__dict__") and not isinstance(value, jax.Array)
+            and not inspect.ismodule(value) and not inspect.isclass(value)
+            and not inspect.isroutine(value) and not isinstance(value, functools.partial))
+
+
+def _note_attributes(name: str, obj, found: dict) -> None:
+    """``obj`` itself, or the NNX objects among its attributes (``self.model``)."""
+    if graphlib.is_graph_node(obj):
+        _note(name, obj, found)
+        return
+    for attr, value in list(getattr(obj, "__dict__", {}).items())[:_MAX_ITEMS]:
+        _note(f"{name}.{attr}", value, found)
 
 
 def _arrays_of(obj) -> list:
@@ -114,38 +177,56 @@ def _arrays_of(obj) -> list:
     return jax.tree.leaves(nnx.state(obj))
 
 
-def check_constants(fn, consts, api: str) -> None:
+def _constants(closed) -> list:
+    """The constants of a closed jaxpr and of every closed jaxpr inside it (an inner
+    ``jax.jit`` keeps the arrays it closes over as its own constants)."""
+    out, stack = list(closed.consts), [closed.jaxpr]
+    while stack:
+        for eqn in stack.pop().eqns:
+            for param in eqn.params.values():
+                for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+                    if isinstance(sub, _compat.ClosedJaxpr):
+                        out += sub.consts
+                        stack.append(sub.jaxpr)
+                    elif isinstance(sub, _compat.Jaxpr):
+                        stack.append(sub)
+    return out
+
+
+def check_constants(fn, closed, api: str) -> None:
     """Refuse a trace of ``fn`` whose constants include arrays of NNX objects it reached by
     closure (they would be frozen at this trace's values).
 
     Args:
         fn: the user's step function.
-        consts: the constants of its traced program.
+        closed: its traced program, a ``ClosedJaxpr``.
         api: the name errors start with.
 
     Raises:
         ValueError: naming the objects and saying to pass them as arguments.
 
     Example:
-        >>> check_constants(lambda x: x, [], "run")  # nothing reached: nothing to refuse
+        >>> import jax
+        >>> check_constants(lambda x: x, jax.make_jaxpr(lambda x: x)(1.0), "run")  # fine
     """
-    if not consts:
-        return
     reached = reached_objects(fn)
     if not reached:
         return
-    const_ids = {id(c) for c in consts}
+    const_ids = {id(c) for c in _constants(closed)}
     read = [(name, obj) for name, obj in reached
             if any(id(a) in const_ids for a in _arrays_of(obj))]
     if not read:
         return
     names = ", ".join(f"`{name}` ({type(obj).__name__})" for name, obj in read)
-    example = read[0][0] if read[0][0].isidentifier() else "model"
+    example = read[0][0].rsplit(".", 1)[-1]
+    example = example if example.isidentifier() else "model"
     raise ValueError(
         f"{api}: the step reads flax NNX state it reaches by closure, not through its "
         f"arguments: {names}. The values would be compiled into the step as constants, so later "
         f"calls would keep using today's values (a TF tf.function reads them by reference; a "
         f"compiled JAX step cannot). Pass the object as an argument of the step, e.g. "
         f"`step({example}, batch)` for `def step({example}, batch)`; the step then reads its "
-        f"current state on every call, and any updates it makes come back to it."
+        f"current state on every call, and any updates it makes come back to it. (A model that never "
+        f"changes, a frozen teacher say, may be closed over as arrays: `graphdef, state = "
+        f"nnx.split(teacher)` outside, `nnx.merge(graphdef, state)` inside.)"
     )

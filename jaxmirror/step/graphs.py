@@ -70,13 +70,13 @@ def split_arguments(args, kwargs, placement):
     leaves, tree = jax.tree.flatten((args, kwargs), is_leaf=_graph_or_distributed)
     positions = tuple(i for i, x in enumerate(leaves) if is_graph_node(x))
     nodes = [leaves[i] for i in positions]
-    graphdef, state = nnx.split(nodes)  # one split: objects shared between arguments stay shared
-    if any(map(_compat.is_tracer, jax.tree.leaves(state))):
+    if not _compat.trace_state_clean():  # the objects could not be updated out of that trace
         raise RuntimeError(
             "a step given flax NNX objects was called inside jax.jit, nnx.jit or another JAX "
             "transformation (TF's @tf.function around a distributed step): the step is "
             "compiled already, and the objects' updates cannot leave the outer trace; call the "
             "step directly (drop the outer jit), or pass nnx.state(...) arrays instead.")
+    graphdef, state = nnx.split(nodes)  # one split: objects shared between arguments stay shared
     state = jax.tree.map(lambda x: _on_devices(x, placement), state, is_leaf=is_distributed)
     taken = set(positions)
     others = [x for i, x in enumerate(leaves) if i not in taken]

@@ -1,9 +1,12 @@
-"""Whether a step feeds a sum over a padded batch's rows, padding included, to a collective.
+"""Whether a step feeds a sum over a padded batch's rows, padding included, to a collective or
+to its results, or gathers the padded rows across replicas.
 
-A batch from a distributed dataset is padded to a static number of rows per replica. A sum or
-mean written by hand over its rows (``jnp.mean(loss)``, flax's ``BatchNorm`` statistics) counts
-the padded rows; reduced across replicas (``psum``/``pmean``/``all_gather``), it silently
-differs from one-device training. This forward analysis over the per-replica jaxpr finds that at
+A batch from a distributed dataset is padded to a static number of rows per replica (with
+copies of real rows; a replica without rows gets copies of another's). A sum or mean written by
+hand over its rows (``jnp.mean(loss)``, flax's ``BatchNorm`` statistics) counts the padded
+rows: reduced across replicas (``psum``/``pmean``/``all_gather``), or returned by the step (and
+then given to ``strategy.reduce``, or read), it silently differs from TF and from one-device
+training. So does an ``all_gather`` of the rows themselves inside the step. This forward analysis over the per-replica jaxpr finds that at
 trace time, at no cost at run time. Per value it tracks: where a padded batch's rows lie (with
 ``rows``' rules), whether it depends on the row counts at all (``masked``: ``where(mask, x, 0)``,
 ``x * mask`` and anything after ``compute_average_loss`` do), and the first sum-like reduction
@@ -47,6 +50,9 @@ class Flow(NamedTuple):
 
 
 NOTHING = Flow(None, False, None)
+# How findings start that are not "<collective> at ... of <reduction> at ...".
+GATHERED = "the padded rows gathered by "
+RETURNED = "a result of the step: "
 # Collectives that sum (or gather or send, to be summed) across replicas, and the parameter
 # naming their axes. The sends are how ``ReductionToOneDevice`` and a narrower wire dtype sum.
 COLLECTIVES = {lax.psum_p: "axes", _compat.psum_invariant_p: "axes",
@@ -141,8 +147,12 @@ def _collective(eqn, ins):
     axes = eqn.params[COLLECTIVES[eqn.primitive]]
     axis, found = _STATE.get()
     bad = next((f.unmasked for f in ins if f.unmasked), None)
-    if bad is not None and axis in (axes if isinstance(axes, (tuple, list)) else (axes,)):
+    over_replicas = axis in (axes if isinstance(axes, (tuple, list)) else (axes,))
+    if bad is not None and over_replicas:
         found.append(f"{eqn.primitive.name} at {_where(eqn)} of {bad}")
+    elif (eqn.primitive is lax.all_gather_p and over_replicas
+          and any(f.rows is not None and not f.masked for f in ins)):
+        found.append(f"{GATHERED}{eqn.primitive.name} at {_where(eqn)}")
     return _outs(eqn, ins, [None] * len(eqn.outvars))
 
 
@@ -194,7 +204,8 @@ def _cond(eqn, ins):
 
 
 def unmasked_row_reductions(jaxpr, padded_inputs: dict, count_inputs, axis_name) -> list[str]:
-    """Where a sum over a padded batch's rows that counts the padding reaches a collective.
+    """Where a sum over a padded batch's rows that counts the padding reaches a collective or a
+    result of the step, and where an ``all_gather`` gathers the padded rows.
 
     Args:
         jaxpr: an open per-replica jaxpr.
@@ -206,7 +217,9 @@ def unmasked_row_reductions(jaxpr, padded_inputs: dict, count_inputs, axis_name)
 
     Returns:
         One ``"<collective> at <file:line (function)> of <reduction> at <file:line (function)>"``
-        per offending collective, in jaxpr order; empty when there is none.
+        per offending collective, in jaxpr order, then one ``RETURNED + "<reduction> at ..."``
+        per result that is such a sum (``GATHERED + "all_gather at ..."`` for gathered rows);
+        empty when there is none.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -226,9 +239,12 @@ def unmasked_row_reductions(jaxpr, padded_inputs: dict, count_inputs, axis_name)
     found: list = []
     token = _STATE.set((axis_name, found))
     try:
-        ANALYSIS.analyse(jaxpr, ins)
+        outs = ANALYSIS.analyse(jaxpr, ins)
     finally:
         _STATE.reset(token)
+    # A result that is a collective's output already found says nothing new.
+    found += [RETURNED + f.unmasked for f in outs if f.unmasked
+              and not any(x.endswith(" of " + f.unmasked) for x in found)]
     return list(dict.fromkeys(found))  # a loop's body is walked more than once
 
 
@@ -266,11 +282,23 @@ def padded_rows_warning(traced, padded: tuple, axis_name) -> PaddedRowsWarning |
         [i for i, v in enumerate(names) if v in counts], axis_name)
     if not found:
         return None
+    first = found[0]
+    if first.startswith(GATHERED):
+        what = (f"all_gather of a padded batch's rows gathers the padded rows too "
+                f"({first[len(GATHERED):]}), copies of real rows,")
+    elif first.startswith(RETURNED):
+        what = (f"a sum or mean over the rows of a padded batch is a result of the step (or a "
+                f"value it writes to a variable) ({first[len(RETURNED):]}) and counts the "
+                f"padded rows, copies of real rows (so do strategy.reduce and local results of "
+                f"it),")
+    else:
+        what = (f"a sum or mean over the rows of a padded batch reaches a cross-replica "
+                f"collective ({first}) and counts the padded rows")
     return PaddedRowsWarning(
-        f"run: a sum or mean over the rows of a padded batch reaches a cross-replica collective "
-        f"and counts the padded rows whenever a batch splits unevenly or is partial "
-        f"({found[0]}); leave the padding out: use `jaxmirror.compute_average_loss`, weight with "
-        f"`jaxmirror.get_replica_context().batch_mask`, or for BatchNorm use "
+        f"run: {what} whenever a batch splits unevenly or is partial; leave the padding out: "
+        f"use `jaxmirror.compute_average_loss`, weight with "
+        f"`jaxmirror.get_replica_context().batch_mask`, gather outside the step with "
+        f"`strategy.gather` (it keeps the real rows only), or for BatchNorm use "
         f"`jaxmirror.nn.SyncBatchNorm`.")
 
 

@@ -391,7 +391,7 @@ class Program:
             user = fn  # the user's own function, behind the wrappers of NNX and fused steps
             while getattr(user, "user_function_ref", None) is not None:
                 user = user.user_function_ref()
-            captured_graphs.check_constants(user, traced.jaxpr.consts, self.__name__)
+            captured_graphs.check_constants(user, traced.jaxpr, self.__name__)
             cacheable = not any(_compat.is_tracer(c) for c in traced.jaxpr.consts)
             if traced.adopted:  # the next call passes them: keep the trace for that call
                 positions, variables, captured = resolved or ((), (), ())

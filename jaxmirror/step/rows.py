@@ -26,7 +26,8 @@ Tag = tuple
 
 ELEMENTWISE = (
     lax.abs_p, lax.acos_p, lax.acosh_p, lax.add_p, lax.and_p, lax.asin_p, lax.asinh_p,
-    lax.atan_p, lax.atan2_p, lax.atanh_p, lax.cbrt_p, lax.ceil_p, lax.clamp_p, lax.conj_p,
+    lax.atan_p, lax.atan2_p, lax.atanh_p, lax.bitcast_convert_type_p, lax.cbrt_p, lax.ceil_p,
+    lax.clamp_p, lax.conj_p,
     lax.convert_element_type_p, lax.copy_p, lax.cos_p, lax.cosh_p, lax.div_p, lax.eq_p,
     lax.erf_p, lax.erf_inv_p, lax.erfc_p, lax.exp_p, lax.exp2_p, lax.expm1_p, lax.floor_p,
     lax.ge_p, lax.gt_p, lax.imag_p, lax.integer_pow_p, lax.is_finite_p, lax.le_p, lax.lgamma_p,

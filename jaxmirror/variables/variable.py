@@ -182,8 +182,9 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
                 f"({self._strategy!r} at {id(self._strategy):#x}), so {strategy!r} at "
                 f"{id(strategy):#x} cannot use it; create it inside `strategy.scope()` of the "
                 f"strategy that uses it. In a notebook this usually means the cell that creates "
-                f"the strategy ran again after this variable was made: run the cells that make "
-                f"the variables (and the model) again too."
+                f"the strategy ran again after this variable was made: run the cells after it "
+                f"again too, those that make the variables and models and those that define "
+                f"the steps (a step made by @strategy.run keeps the strategy of its cell)."
             )
 
     def distributed_view(self):
