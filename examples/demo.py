@@ -391,6 +391,8 @@ def main(argv=None) -> dict:
               file=sys.stderr)
         raise SystemExit(1)
     print("OK: the distributed run matches the single-device run")
+    print("next: .venv/bin/jupyter lab notebooks/  (01_quickstart, then 04_custom_training);"
+          " make docs  (the porting guide from tf.distribute: build/docs/porting.html)")
     return results
 
 

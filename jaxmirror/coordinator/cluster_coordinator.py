@@ -153,10 +153,10 @@ class ClusterCoordinator:
         nnx_binding.before_schedule(self._strategy)
         fn_id, fn_ship = self._shipped_function(fn)
         args_ship = shipping.ship((tuple(args or ()), dict(kwargs or {})), self._strategy)
-        bundles = nnx_binding.bundle_count(self._strategy)
-        if self._checked.get(fn_id, 1) < bundles:  # a strategy.init since: still current?
+        inits = nnx_binding.init_count(self._strategy)
+        if self._checked.get(fn_id, 1) < inits:  # a strategy.init since: still current?
             nnx_binding.warn_if_superseded(self._strategy, fn_ship.variables, fn)
-        self._checked[fn_id] = bundles
+        self._checked[fn_id] = inits
         var_ids = sorted(set(fn_ship.variables) | set(args_ship.variables))
         value = RemoteValue()
         with self._lock:

@@ -285,9 +285,14 @@ def _first_array(tree, depth: int = 64):
     if depth == 0 or tree is None or isinstance(tree, (np.ndarray, np.generic, int, float, bool,
                                                        str)):
         return None
-    children = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0]
-    if len(children) == 1 and children[0] is tree:  # a leaf that is not an array
-        return None
+    if isinstance(tree, dict):  # any array will do: a donated tree has all of them deleted
+        children = tree.values()
+    elif isinstance(tree, (list, tuple)):  # namedtuples (optax states) included
+        children = tree
+    else:  # another pytree node (a flax struct, a dataclass): one level of it
+        children = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0]
+        if len(children) == 1 and children[0] is tree:  # a leaf that is not an array
+            return None
     for child in children:
         found = _first_array(child, depth - 1)
         if found is not None:

@@ -114,7 +114,7 @@ def _follow(value, found: dict, seen: set, depth: int) -> None:
 
 def _in_library(fn) -> bool:
     path = getattr(fn.__code__, "co_filename", "")
-    return path.startswith(_LIBRARY_DIRS) or fn.__module__.split(".")[0] == "jaxmirror"
+    return path.startswith(_LIBRARY_DIRS) or (fn.__module__ or "").split(".")[0] == "jaxmirror"
 
 
 def _global_names(code) -> set:

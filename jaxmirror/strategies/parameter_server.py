@@ -130,6 +130,7 @@ class ParameterServerExtended(StrategyExtended):
         self.ray_cluster = cluster
         self.coordinator = None  # the ClusterCoordinator, once made
         self.nnx_bundles: list = []  # the NNX objects of ``init`` (``coordinator.nnx_binding``)
+        self.nnx_inits = 0  # how many ``init`` calls bound NNX objects (never goes down)
         self._partitioner = partitioner
         self._replicas = replicas
         self._next_ps = itertools.cycle(range(len(cluster.ps)))
