@@ -185,4 +185,5 @@ def test_the_pages_code_runs(tmp_path, page):
     env = dict(os.environ, JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path))
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=CODE_TIMEOUT)
-    assert run.returncode == 0, f"{page}.md's code failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    assert run.returncode == 0, (f"{page}.md's code failed:\n{run.stdout[-3000:]}\n"
+                                 f"{run.stderr[-5000:]}")

@@ -12,7 +12,7 @@ refused before it runs, with a message saying to pass the object as an argument.
 Finding the objects walks the step's bytecode (the globals it loads, its closure cells, and
 the user's own functions it calls, a few levels deep), the attributes of a callable object or
 of a bound method's ``self``, and ``functools.partial`` and ``functools.wraps`` layers, once per
-trace and only when the program has constants.
+trace; the constants (those of inner ``jax.jit`` calls included) are read only when it finds one.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def check_constants(fn, closed, api: str) -> None:
         f"calls would keep using today's values (a TF tf.function reads them by reference; a "
         f"compiled JAX step cannot). Pass the object as an argument of the step, e.g. "
         f"`step({example}, batch)` for `def step({example}, batch)`; the step then reads its "
-        f"current state on every call, and any updates it makes come back to it. (A model that never "
-        f"changes, a frozen teacher say, may be closed over as arrays: `graphdef, state = "
+        f"current state on every call, and any updates it makes come back to it. (A model that "
+        f"never changes, a frozen teacher say, may be closed over as arrays: `graphdef, state = "
         f"nnx.split(teacher)` outside, `nnx.merge(graphdef, state)` inside.)"
     )

@@ -1,18 +1,19 @@
 """Whether a step feeds a sum over a padded batch's rows, padding included, to a collective or
 to its results, or gathers the padded rows across replicas.
 
-A batch from a distributed dataset is padded to a static number of rows per replica (with
-copies of real rows; a replica without rows gets copies of another's). A sum or mean written by
-hand over its rows (``jnp.mean(loss)``, flax's ``BatchNorm`` statistics) counts the padded
-rows: reduced across replicas (``psum``/``pmean``/``all_gather``), or returned by the step (and
-then given to ``strategy.reduce``, or read), it silently differs from TF and from one-device
-training. So does an ``all_gather`` of the rows themselves inside the step. This forward analysis over the per-replica jaxpr finds that at
-trace time, at no cost at run time. Per value it tracks: where a padded batch's rows lie (with
-``rows``' rules), whether it depends on the row counts at all (``masked``: ``where(mask, x, 0)``,
-``x * mask`` and anything after ``compute_average_loss`` do), and the first sum-like reduction
-over rows of an unmasked value it depends on. Max, min and argmax over rows are fine: padding
-repeats a real row. Calls, conds and loops are followed (loops to a fixed point); where unsure
-(rows lost by a primitive without a rule, a reduction with its own computation) it stays quiet.
+A batch from a distributed dataset is padded to a static number of rows per replica (with copies
+of real rows; a replica without rows gets copies of another's). A sum or mean written by hand
+over its rows (``jnp.mean(loss)``, flax's ``BatchNorm`` statistics) counts the padded rows:
+reduced across replicas (``psum``/``pmean``/``all_gather``), or returned by the step (and then
+given to ``strategy.reduce``, or read), it silently differs from TF and from one-device
+training. So does an ``all_gather`` of the rows themselves inside the step. This forward
+analysis over the per-replica jaxpr finds that at trace time, at no cost at run time. Per value
+it tracks: where a padded batch's rows lie (with ``rows``' rules), whether it depends on the row
+counts at all (``masked``: ``where(mask, x, 0)``, ``x * mask`` and anything after
+``compute_average_loss`` do), and the first sum-like reduction over rows of an unmasked value it
+depends on. Max, min and argmax over rows are fine: padding repeats a real row. Calls, conds and
+loops are followed (loops to a fixed point); where unsure (rows lost by a primitive without a
+rule, a reduction with its own computation) it stays quiet.
 """
 
 from __future__ import annotations

@@ -308,12 +308,13 @@ def restore(directory, target):
     """Restore the checkpoint in ``directory`` into ``target``; return the restored tree.
 
     The checkpoint may have been written with any number of replicas (or none). Variables and
-    flax NNX objects (models, optimizers) of ``target`` are updated in place (see ``restore_into``: a SUM sync-on-read variable of ``N``
-    replicas gets ``value / N`` per component, a mirrored one the value in every component) and
-    returned in the result; arrays are read straight into the target leaf's sharding (a
-    ``jax.Array`` or a ``jax.ShapeDtypeStruct`` with one), into NumPy arrays for NumPy or
-    unsharded abstract leaves, or as Python numbers for numbers. Nothing is assigned if the
-    structure or a shape does not match.
+    flax NNX objects (models, optimizers) of ``target`` are updated in place (see
+    ``restore_into``: a SUM sync-on-read variable of ``N`` replicas gets ``value / N`` per
+    component, a mirrored one the value in every component) and returned in the result; arrays
+    are read straight into the target leaf's sharding (a ``jax.Array`` or a
+    ``jax.ShapeDtypeStruct`` with one), into NumPy arrays for NumPy or unsharded abstract
+    leaves, or as Python numbers for numbers. Nothing is assigned if the structure or a shape
+    does not match.
 
     Args:
         directory: the checkpoint's directory (what ``save`` was given), a str or
