@@ -120,3 +120,10 @@ def test_a_donated_value_says_so_and_only_the_shown_values_are_read(strategy):
     assert "deleted: donated to a step" in v._repr_html_() and "deleted" in repr(v)
     big = strategy.extended.placement.replicate(jnp.arange(10_000.0))
     assert rich_display.preview(big) == "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, …] (10000 values)"
+
+
+def test_datasets_and_iterators_print_their_public_names(strategy):
+    ds = strategy.experimental_distribute_dataset([np.ones((3, 1), np.float32)])
+    assert repr(ds) == ("<DistributedDataset from experimental_distribute_dataset over "
+                        "3 replica(s)>")
+    assert repr(iter(ds)) == f"<DistributedIterator over {ds!r}>"

@@ -91,6 +91,11 @@ class DistributedDataset:
         self._rows = None  # the static batch size: the largest batch seen
         self._padded = None  # whether batches carry row counts (decided by the first batch)
 
+    def __repr__(self) -> str:
+        # The public name, not the implementing class (GlobalBatchDataset is internal).
+        return (f"<DistributedDataset from {self._what} over "
+                f"{self._strategy.num_replicas_in_sync} replica(s)>")
+
     def _check(self, element, position: int):
         """One host batch checked against the first; the static size grows to fit it.
 

@@ -67,6 +67,9 @@ class DistributedIterator:
     def __iter__(self):
         return self
 
+    def __repr__(self) -> str:
+        return f"<DistributedIterator over {self._dataset!r}>"
+
     def __next__(self):
         if context.current().in_run:
             raise ValueError("DistributedIterator.next: called inside `run`; fetch the batch "
