@@ -97,13 +97,12 @@ def device_list(devices, limit: int = 16) -> str:
     return named if len(devices) <= limit else f"{named}, … ({len(devices)} devices)"
 
 
-def shard_rows(array, stacked: bool, limit: int = PREVIEW_VALUES) -> list[list[str]]:
-    """One ``[device, shape, dtype, values]`` row per shard of ``array`` this process holds.
+def shard_rows(array, limit: int = PREVIEW_VALUES) -> list[list[str]]:
+    """One ``[device, shape, dtype, values]`` row per shard of ``array`` this process holds
+    (a ``PerReplica``'s stack shows its components instead: ``PerReplica.display_rows``).
 
     Args:
         array: a ``jax.Array`` (or anything array-like: one row, no device).
-        stacked: whether the leading axis is the replica axis (a ``PerReplica``'s stack): each
-            shard then shows its component, without that axis.
         limit: how many values each row shows.
 
     Returns:
@@ -111,7 +110,7 @@ def shard_rows(array, stacked: bool, limit: int = PREVIEW_VALUES) -> list[list[s
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> shard_rows(jnp.arange(3.0), stacked=False)[0][1:3]
+        >>> shard_rows(jnp.arange(3.0))[0][1:3]
         ['(3,)', 'float32']
     """
     if _compat.is_tracer(array):
@@ -125,10 +124,8 @@ def shard_rows(array, stacked: bool, limit: int = PREVIEW_VALUES) -> list[list[s
     rows = []
     for shard in sorted(shards, key=lambda s: (s.device.process_index, s.device.id)):
         data = shard.data
-        shape = tuple(data.shape[1:]) if stacked else tuple(data.shape)
-        values = data[0] if stacked else data
-        rows.append([device_label(shard.device), str(shape), str(data.dtype),
-                     preview(values, limit)])
+        rows.append([device_label(shard.device), str(tuple(data.shape)), str(data.dtype),
+                     preview(data, limit)])
     return rows
 
 

@@ -64,7 +64,7 @@ class DistributedValues:
         Returns:
             A list of rows of str.
         """
-        rows = rich_display.shard_rows(self._payload(), stacked=False)
+        rows = rich_display.shard_rows(self._payload())
         return [[str(i)] + row for i, row in enumerate(rows)]
 
 
@@ -157,7 +157,7 @@ class PerReplica(DistributedValues):
         # A batch shows its real rows only; the replica comes from where the shard sits.
         if (_compat.is_tracer(self._stacked) or not isinstance(self._stacked, jax.Array)
                 or self._stacked.is_deleted()):
-            return [["all"] + row for row in rich_display.shard_rows(self._stacked, False)]
+            return [["all"] + row for row in rich_display.shard_rows(self._stacked)]
         counts = None if self._row_counts is None else host_counts(self._row_counts)
         rows = []
         for shard in _local_shards(self._stacked):

@@ -400,7 +400,7 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
             headers, rows = ["replica", "device", "shape", "dtype", "values"], stored.display_rows()
         else:
             headers = ["device", "shape", "dtype", "values"]
-            rows = rich_display.shard_rows(stored, stacked=False)
+            rows = rich_display.shard_rows(stored)
         title = (f"{type(self).__name__} '{self.name}' shape={self.shape} dtype={self.dtype} "
                  f"({self.synchronization.name}, aggregation {self.aggregation.name})")
         how = ("one component per replica" if isinstance(stored, PerReplica) else
