@@ -26,7 +26,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-from jaxmirror.core import _compat
+from jaxmirror.step import jaxpr_walk
 
 # How many levels of the user's own helper functions are followed from the step.
 _DEPTH = 3
@@ -177,22 +177,6 @@ def _arrays_of(obj) -> list:
     return jax.tree.leaves(nnx.state(obj))
 
 
-def _constants(closed) -> list:
-    """The constants of a closed jaxpr and of every closed jaxpr inside it (an inner
-    ``jax.jit`` keeps the arrays it closes over as its own constants)."""
-    out, stack = list(closed.consts), [closed.jaxpr]
-    while stack:
-        for eqn in stack.pop().eqns:
-            for param in eqn.params.values():
-                for sub in (param if isinstance(param, (tuple, list)) else (param,)):
-                    if isinstance(sub, _compat.ClosedJaxpr):
-                        out += sub.consts
-                        stack.append(sub.jaxpr)
-                    elif isinstance(sub, _compat.Jaxpr):
-                        stack.append(sub)
-    return out
-
-
 def check_constants(fn, closed, api: str) -> None:
     """Refuse a trace of ``fn`` whose constants include arrays of NNX objects it reached by
     closure (they would be frozen at this trace's values).
@@ -212,7 +196,7 @@ def check_constants(fn, closed, api: str) -> None:
     reached = reached_objects(fn)
     if not reached:
         return
-    const_ids = {id(c) for c in _constants(closed)}
+    const_ids = {id(c) for c in jaxpr_walk.all_constants(closed)}
     read = [(name, obj) for name, obj in reached
             if any(id(a) in const_ids for a in _arrays_of(obj))]
     if not read:

@@ -27,6 +27,36 @@ def sub_jaxprs(eqn) -> list:
             for j in _compat.jaxprs_in_params(eqn.params)]
 
 
+def all_constants(closed) -> list:
+    """The constants of a closed jaxpr and of every closed jaxpr inside it (an inner
+    ``jax.jit`` keeps the arrays it closes over as its own constants, which ``sub_jaxprs``
+    leaves out).
+
+    Args:
+        closed: a ``ClosedJaxpr``.
+
+    Returns:
+        A list of its constants, outermost first.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> c = jnp.arange(3.0)
+        >>> len(all_constants(jax.make_jaxpr(lambda x: jax.jit(lambda y: y + c)(x))(1.0)))
+        1
+    """
+    out, stack = list(closed.consts), [closed.jaxpr]
+    while stack:
+        for eqn in stack.pop().eqns:
+            for param in eqn.params.values():
+                for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+                    if isinstance(sub, _compat.ClosedJaxpr):
+                        out += sub.consts
+                        stack.append(sub.jaxpr)
+                    elif isinstance(sub, _compat.Jaxpr):
+                        stack.append(sub)
+    return out
+
+
 def call_body(eqn):
     """The body of a call-like equation (jit, remat, custom_jvp/vjp, closed_call), or ``None``.
 
