@@ -13,6 +13,7 @@ page ``docs/api/<module>.md``; a missing one is a build warning (an error under 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import types
@@ -27,7 +28,8 @@ ROOT = "jaxmirror"
 logger = logging.getLogger(__name__)
 
 
-def public_modules() -> list[str]:
+@functools.cache  # the modules do not change during a build: walked once, not per page
+def public_modules() -> tuple[str, ...]:
     """``jaxmirror`` and every module reachable through ``__all__``, breadth first."""
     order, i = [ROOT], 0
     while i < len(order):
@@ -38,11 +40,13 @@ def public_modules() -> list[str]:
             if (isinstance(obj, types.ModuleType) and obj.__name__.startswith(ROOT + ".")
                     and obj.__name__ not in order):
                 order.append(obj.__name__)
-    return order
+    return tuple(order)
 
 
+@functools.cache  # asked for by every page and every documented class
 def canonical_names() -> dict[int, str]:
-    """id(object) -> the public name under which it is documented (the first one reached)."""
+    """id(object) -> the public name under which it is documented (the first one reached);
+    shared, so callers only read it."""
     names: dict[int, str] = {}
     for modname in public_modules():
         module = importlib.import_module(modname)
