@@ -9,6 +9,11 @@ loopback TCP on CPU). Runs alternate between the layouts; the table gives median
 ratio 2x2 / 1x4 per model, and checks that both layouts computed the same losses.
 
     .venv/bin/python benchmarks/multi_worker.py [--rounds 3] [--steps 20] [--models small,wide,compute]
+
+Then (``--overhead-rounds``, ``--overhead-steps``) what issue 27's per-step agreement on the
+data and failure watch cost: the small model's loop as users write it, against the same loop
+with both switched off (``off``: batches still made on a thread; ``off, inline``: made in
+``next``, as before the agreement made the thread the default across workers).
 """
 
 from __future__ import annotations
@@ -29,8 +34,35 @@ MODELS = {  # name: (layer sizes, global batch)
 }
 
 
-def worker(sizes, batch, steps, warmup):
-    """One worker's timed loop; returns (seconds per step, losses)."""
+class _SameEverywhere:
+    """A stand-in for the per-step exchange (``runtime.exchange.StepExchange``) that asks no
+    other worker: valid here only because every worker reads the same batches."""
+
+    def __init__(self, what, cancelled=None):
+        import jax
+
+        self._workers = jax.process_count()
+
+    def share(self, value):
+        return [value] * self._workers
+
+
+def _switch_off_agreement_and_watch():
+    """The ``off`` variants: no per-step agreement on the data, no failure watch (its thread
+    stopped, the step's records of its calls skipped)."""
+    from jaxmirror.data import datasets
+    from jaxmirror.runtime import watch
+
+    datasets.StepExchange = _SameEverywhere
+    watch.stop()
+    for name in ("entering", "left", "dispatched"):
+        setattr(watch, name, lambda *args: None)
+
+
+def worker(sizes, batch, steps, warmup, variant="as written"):
+    """One worker's timed loop; returns (seconds per step, losses). ``variant``: ``as written``
+    (what users get), ``off`` (without the data agreement and the failure watch, the batches
+    still made on a thread), ``off, inline`` (also made in ``next``: before issue 27)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -39,6 +71,8 @@ def worker(sizes, batch, steps, warmup):
 
     options = jm.experimental.CommunicationOptions(timeout_seconds=120)
     strategy = jm.MultiWorkerMirroredStrategy(communication_options=options)
+    if variant != "as written":
+        _switch_off_agreement_and_watch()
     rng = np.random.default_rng(0)
     data = [(rng.normal(size=(batch, sizes[0])).astype(np.float32),
              rng.integers(0, sizes[-1], size=batch).astype(np.int32))
@@ -48,7 +82,8 @@ def worker(sizes, batch, steps, warmup):
         while True:
             yield from data
 
-    iterator = iter(strategy.experimental_distribute_dataset(forever))
+    input_options = jm.InputOptions(prefetch_thread=False) if variant == "off, inline" else None
+    iterator = iter(strategy.experimental_distribute_dataset(forever, input_options))
     key = jax.random.PRNGKey(0)
     params = {}
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -88,11 +123,11 @@ def worker(sizes, batch, steps, warmup):
     return seconds, losses
 
 
-def run_layout(workers, devices, sizes, batch, steps, warmup):
+def run_layout(workers, devices, sizes, batch, steps, warmup, variant="as written"):
     import jaxmirror as jm
 
     results = jm.launch.run(worker, workers=workers, devices_per_worker=devices,
-                            args=(sizes, batch, steps, warmup), timeout=600)
+                            args=(sizes, batch, steps, warmup, variant), timeout=600)
     times = [t for t, _ in results]
     losses = results[0][1]
     for _, other in results[1:]:
@@ -106,6 +141,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--overhead-rounds", type=int, default=4,
+                    help="rounds of the agreement-and-watch comparison (0: skip it)")
+    ap.add_argument("--overhead-steps", type=int, default=100)
     args = ap.parse_args(argv)
     names = [m for m in args.models.split(",") if m]
     unknown = [m for m in names if m not in MODELS]
@@ -134,7 +172,34 @@ def main(argv=None):
               f"{med['2x2'] * 1e3:.2f} ms ({min(times['2x2']) * 1e3:.2f}-"
               f"{max(times['2x2']) * 1e3:.2f}) | {med['2x2'] / med['1x4']:.2f} | {agree} |",
               flush=True)
+    if args.overhead_rounds:
+        overhead(args.overhead_rounds, args.overhead_steps, args.warmup)
     return 0
+
+
+def overhead(rounds, steps, warmup):
+    """What the per-step data agreement and the failure watch cost (issue 27): the small model
+    on 2 workers x 2 devices, as written against the same loop with both switched off, runs in
+    rotating order; medians of the slowest worker's seconds per step."""
+    sizes, batch = MODELS["small"]
+    variants = ["as written", "off", "off, inline"]
+    times = {v: [] for v in variants}
+    losses = {}
+    for r in range(rounds):
+        for variant in variants[r % 3:] + variants[:r % 3]:
+            t, loss = run_layout(2, 2, sizes, batch, steps, warmup, variant)
+            times[variant].append(t)
+            losses[variant] = loss
+    med = {v: statistics.median(t) for v, t in times.items()}
+    agree = all(np.array_equal(losses[v], losses["as written"]) for v in variants)
+    print(f"\n# agreement and failure watch: small model, 2 workers x 2 devices, {rounds} "
+          f"rounds x {steps} steps (median, min-max)")
+    print("| loop | ms per step | ratio to `off` | ratio to `off, inline` |")
+    print("|---|---|---|---|")
+    for v in variants:
+        print(f"| {v} | {med[v] * 1e3:.3f} ({min(times[v]) * 1e3:.3f}-{max(times[v]) * 1e3:.3f})"
+              f" | {med[v] / med['off']:.3f} | {med[v] / med['off, inline']:.3f} |", flush=True)
+    print(f"losses equal bit for bit across the variants: {agree}")
 
 
 if __name__ == "__main__":

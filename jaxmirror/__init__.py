@@ -15,7 +15,7 @@ Example:
     2.0
 """
 
-from jaxmirror import checkpoint, cluster_resolver, experimental, launch
+from jaxmirror import checkpoint, cluster_resolver, errors, experimental, launch
 from jaxmirror.collectives.cross_device_ops import (
     CrossDeviceOps,
     HierarchicalCopyAllReduce,
@@ -72,7 +72,7 @@ __all__ = [
     "ReplicaContext", "RunOptions", "Server", "Strategy", "StrategyExtended",
     "SyncOnReadVariable", "TPUStrategy", "Variable", "VariableAggregation",
     "VariableSynchronization", "assign_values", "checkpoint", "cluster_resolver",
-    "compute_average_loss", "configure_cpu_devices", "experimental", "experimental_set_strategy",
+    "compute_average_loss", "configure_cpu_devices", "errors", "experimental", "experimental_set_strategy",
     "get_cross_replica_context", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context", "launch", "metrics", "nn", "read_values",
 ]

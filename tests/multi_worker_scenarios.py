@@ -251,3 +251,120 @@ def file_sharded(strategy, paths, policy):
                              args=(batch,))
         totals.append(float(strategy.reduce("SUM", total, axis=None)))
     return {"steps": steps, "totals": totals}
+
+
+# -- uneven input across workers (issue 27) ------------------------------------------------------
+def _worker_batches(worker, count, rows=8):
+    """Worker ``worker``'s own data: ``count`` global batches of ``rows`` rows."""
+    rng = np.random.default_rng(10 + worker)
+    return [(rng.normal(size=(rows, 6)).astype(np.float32),
+             rng.integers(0, 3, size=rows).astype(np.int32)) for _ in range(count)]
+
+
+def _forward(p, x):
+    import jax
+
+    return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def train_variables(strategy, dataset, fused=False):
+    """TF's custom-training loop on variables: ``compute_average_loss``, all-reduced
+    gradients, SGD, an accuracy metric; single steps or fused ones (2 per call). Returns the
+    per-step summed losses, the params, the accuracy and each step's local real rows."""
+    import jax
+    import optax
+
+    import jaxmirror as jm
+
+    with strategy.scope():
+        params = {k: jm.Variable(v) for k, v in _init_params().items()}
+        accuracy = jm.metrics.SparseCategoricalAccuracy()
+
+    def step(x, y):
+        p = jm.read_values(params)
+
+        def loss_fn(p):
+            logits = _forward(p, x)
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+            return jm.compute_average_loss(per_example), logits
+
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(p)
+        grads = jm.get_replica_context().all_reduce("SUM", grads)
+        jm.assign_values(params, jax.tree.map(lambda a, g: a - 0.5 * g, p, grads))
+        accuracy.update_state(y, logits)
+        return loss
+
+    losses = []
+    if fused:
+        steps = strategy.function(lambda batch: step(*batch), steps_per_execution=2)
+        iterator = iter(dataset)
+        while True:
+            try:
+                loss = steps(iterator)
+            except StopIteration:
+                break
+            losses += [float(v) for v in np.asarray(strategy.reduce("SUM", loss, axis=None))]
+    else:
+        run = strategy.function(step)
+        for x, y in dataset:
+            losses.append(float(strategy.reduce("SUM", run(x, y), axis=None)))
+    kept = [(np.concatenate(_local(strategy, x)), np.concatenate(_local(strategy, y)))
+            for x, y in dataset]  # a second pass: what each step gave this worker's replicas
+    return {"losses": np.asarray(losses), "accuracy": float(accuracy.result()),
+            "params": {k: np.asarray(v.read_value()) for k, v in params.items()}, "kept": kept}
+
+
+def sync_batch_norm(strategy, dataset):
+    """A pass of ``jaxmirror.nn.SyncBatchNorm`` over the batches' ``x``: its running mean and
+    variance after it (one device's ``nnx.BatchNorm`` on the same rows gives them too)."""
+    from flax import nnx
+
+    import jaxmirror as jm
+
+    graphdef, state = nnx.split(jm.nn.SyncBatchNorm(6, momentum=0.9, rngs=nnx.Rngs(0)))
+
+    @strategy.run
+    def step(state, x):
+        model = nnx.merge(graphdef, state)
+        model(x)
+        return nnx.split(model)[1]
+
+    for x, _ in dataset:
+        state = step(state, x)
+    return np.asarray(state["mean"][...]), np.asarray(state["var"][...])
+
+
+def batch_norm_reference(batches):
+    """``sync_batch_norm``'s numbers from flax's BatchNorm on one device."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = nnx.BatchNorm(6, momentum=0.9, rngs=nnx.Rngs(0))
+    for x, _ in batches:
+        model(jnp.asarray(x))
+    return np.asarray(model.mean[...]), np.asarray(model.var[...])
+
+
+def uneven(strategy, counts, source="dataset", fused=False):
+    """Worker ``w`` has ``counts[w]`` batches of its own: TF's loop over them, then an
+    evaluation all-reduce; the loop's results (``train_variables``) and the evaluation's."""
+    import jax
+
+    import jaxmirror as jm
+
+    mine = _worker_batches(jax.process_index(), counts[jax.process_index()])
+    if source == "dataset":
+        dataset = strategy.experimental_distribute_dataset(mine)
+    else:  # per-replica batches of 2 rows, from this worker's rows in order
+        def dataset_fn(context):
+            assert context.num_input_pipelines == jax.process_count()
+            per = context.get_per_replica_batch_size(8)
+            rows = [(x[i:i + per], y[i:i + per]) for x, y in mine for i in range(0, 8, per)]
+            return rows
+        dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    out = train_variables(strategy, dataset, fused)
+    out["batch_norm"] = sync_batch_norm(strategy, dataset)
+    ctx = jm.get_replica_context
+    out["evaluation"] = float(strategy.reduce("SUM", strategy.run(
+        lambda: ctx().all_reduce("SUM", ctx().replica_id_in_sync_group + 1.0)), axis=None))
+    return out

@@ -22,7 +22,8 @@ PUBLIC = [
     "ReplicaContext", "RunOptions", "Server", "Strategy", "StrategyExtended",
     "SyncOnReadVariable", "TPUStrategy", "Variable", "VariableAggregation",
     "VariableSynchronization", "assign_values", "checkpoint", "cluster_resolver",
-    "compute_average_loss", "configure_cpu_devices", "experimental", "experimental_set_strategy",
+    "compute_average_loss", "configure_cpu_devices", "errors", "experimental",
+    "experimental_set_strategy",
     "get_cross_replica_context", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context", "launch", "metrics", "nn", "read_values",
 ]
@@ -31,7 +32,7 @@ SUBPACKAGES = ["collectives", "coordinator", "core", "data", "planned", "runtime
 # Each layer imports only its own layer and the ones before it.
 LAYERS = [{"core"}, {"cluster_resolver"}, {"runtime"}, {"variables"}, {"step"},
           {"data", "collectives"}, {"coordinator"}, {"strategies"}, {"nn", "metrics"},
-          {"checkpoint", "experimental", "launch", "planned", "__init__"}]
+          {"checkpoint", "errors", "experimental", "launch", "planned", "__init__"}]
 
 
 def test_public_names_are_pinned():

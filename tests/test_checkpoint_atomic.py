@@ -309,15 +309,21 @@ def test_exchange_swaps_two_directories_in_one_step_on_linux(tmp_path):
     assert {n: (tmp_path / n / "which").read_text() for n in "ab"} == expected
 
 
-def test_a_multi_process_run_keeps_orbaxs_own_coordinated_replace(tmp_path, monkeypatch):
+def test_the_multi_process_save_path_replaces_atomically_too(tmp_path, monkeypatch):
+    # The path every worker of a multi-process run takes (here as the chief of one): the
+    # chief decides, orbax writes a sibling, the chief swaps it in (tests/test_multi_worker_
+    # failures.py kills workers at every point of it).
     from jaxmirror.variables import checkpoint as implementation
 
     checkpoint.save(tmp_path / "ck", tree(1))
     monkeypatch.setattr(implementation, "_one_process", lambda: False)
-    # Siblings are named per process: another process could not find this one's.
-    monkeypatch.setattr(checkpoint_files, "sibling", None)
+    swapped = []
+    replace = checkpoint_files.replace
+    monkeypatch.setattr(checkpoint_files, "replace",
+                        lambda new, path: (swapped.append(new), replace(new, path)))
     with pytest.raises(FileExistsError, match="already exists.*force=True"):
         checkpoint.save(tmp_path / "ck", tree(2))
     checkpoint.save(tmp_path / "ck", tree(2), force=True)
     assert restored_version(tmp_path / "ck") == 2
     assert os.listdir(tmp_path) == ["ck"]
+    assert len(swapped) == 1 and SIBLING.fullmatch(os.path.basename(swapped[0]))

@@ -1,8 +1,13 @@
 """Multi-worker failures end with clear errors within the timeout, never a hang or a bare abort.
 
-Worker processes are started directly (not through the launcher, which would stop the
-survivors itself) on loopback, each bounded by a timeout and killed at the end of its test.
-Errors that come before anything starts are checked in this process.
+Through the launcher (``python -m jaxmirror.launch``, which gives the others time to end on
+their own before it stops them, and says how each worker ended): a worker that raises (in a
+step, between steps, before its first collective) or is killed, workers that run different
+programs, and calls only the chief makes (TF's print-or-save-on-the-chief habit) end every
+worker with an error naming the worker and the call, within 30 s, with 1 and 2 devices per
+worker. Start-up failures start worker processes directly on loopback, each bounded by a
+timeout and killed at the end of its test; errors that come before anything starts are checked
+in this process.
 """
 
 import json
@@ -36,6 +41,47 @@ WORKER = textwrap.dedent("""
         if mode == "die" and jax.process_index() == 1 and i == 20:
             os._exit(9)
 """)
+
+
+BREAKING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multi_worker_breaking.py")
+LAUNCH_LIMIT = 150  # the launcher's own --timeout: no run of these may hang a test
+
+
+class Launched:
+    """A ``python -m jaxmirror.launch`` run of ``multi_worker_breaking.py``: its exit code and
+    its output lines, each with the time it arrived."""
+
+    def __init__(self, mode, workers, devices, timeout=None):
+        command = [sys.executable, "-m", "jaxmirror.launch", "--workers", str(workers),
+                   "--devices-per-worker", str(devices), "--timeout", str(LAUNCH_LIMIT),
+                   BREAKING, mode] + ([str(timeout)] if timeout else [])
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        self.lines = []
+        try:
+            for line in proc.stdout:
+                self.lines.append((time.time(), line.rstrip("\n")))
+            self.code = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.text = "\n".join(line for _, line in self.lines)
+
+    def breaking_at(self) -> float:
+        return min(float(line.split()[-1]) for _, line in self.lines if " BREAKING " in line)
+
+    def error_of(self, worker: int):
+        """(arrival time, text) of worker ``worker``'s final error line."""
+        found = [(t, line.split("] ", 1)[1]) for t, line in self.lines
+                 if line.startswith(f"[worker {worker}] jaxmirror.errors.")]
+        assert found, f"worker {worker} printed no jaxmirror error:\n{self.text[-6000:]}"
+        return found[-1]
+
+    def exits(self) -> str:
+        (line,) = [line for _, line in self.lines if line.startswith("jaxmirror.launch: worker 0 ")
+                   and "; worker 1 " in line]
+        return line
 
 
 def _config(cluster, job, index):
@@ -100,7 +146,9 @@ def test_a_worker_killed_mid_training_makes_the_other_exit_with_an_error(start):
     assert victim.wait(timeout=30) == 9
     assert "joined 0" in out
     assert code == 1, err[-3000:]  # not a hang, not SIGABRT (-6 / 134)
-    assert f"worker 1 (127.0.0.1:{ports[1]}) of the cluster stopped" in err
+    assert (f"jaxmirror.errors.UnavailableError: worker 1 (127.0.0.1:{ports[1]}) stopped (its "
+            f"address no longer answers") in err
+    assert "Gloo all-reduce failed" in err  # what the collective said, as the cause
     assert elapsed < 60
 
 
@@ -170,3 +218,114 @@ def test_copies_as_tf():
 def test_tpu_strategy_refuses_without_a_tpu():
     with pytest.raises(ValueError, match="not 'tpu'"):
         jm.TPUStrategy()
+
+
+# -- failures through the launcher (issue 27) -----------------------------------------------------
+RAISED = {"raise-in-step": "ValueError: this step cannot take 2 rows",
+          "raise-between": "RuntimeError: lost the data file",
+          "raise-before": "ValueError: bad configuration on this worker"}
+
+
+def _survivors_end_naming(run, failed, workers, what, within=30.0):
+    """Every worker but ``failed`` exits with code 1 (not stopped by the launcher, not
+    SIGABRT) printing an ``UnavailableError`` naming worker ``failed`` and ``what``."""
+    assert "still running; stopping" not in run.text, run.text[-6000:]
+    exits = run.exits()
+    for w in range(workers):
+        if w == failed:
+            continue
+        assert f"worker {w} exited with code 1" in exits, exits
+        at, text = run.error_of(w)
+        assert text.startswith("jaxmirror.errors.UnavailableError: "), text
+        assert f"worker {failed} (127.0.0.1:" in text and what in text, text
+        assert f"this worker, worker {w} (127.0.0.1:" in text, text
+        assert at - run.breaking_at() < within, (at - run.breaking_at(), text)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("mode", sorted(RAISED))
+def test_a_worker_that_raises_ends_the_others_naming_it(mode, devices):
+    run = Launched(mode, 2, devices)
+    assert run.code == 1
+    assert "worker 1 exited with code 1" in run.exits()
+    _survivors_end_naming(run, 1, 2, RAISED[mode])
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_killed_worker_ends_the_others_naming_it(devices):
+    run = Launched("kill", 2, devices)
+    assert "worker 1 was killed by SIGKILL" in run.exits()
+    _survivors_end_naming(run, 1, 2, "stopped")
+
+
+def test_a_killed_chief_ends_the_others_naming_it():
+    # The coordination service runs beside the chief: its death is named like any other's.
+    run = Launched("kill-chief", 2, 2)
+    assert "worker 0 was killed by SIGKILL" in run.exits()
+    _survivors_end_naming(run, 0, 2, "stopped: the coordination service got no heartbeat")
+
+
+@pytest.mark.parametrize("workers,devices", [(2, 2), (4, 1)])
+def test_workers_running_different_programs_get_a_named_error(workers, devices):
+    run = Launched("mismatch", workers, devices)
+    assert run.code == 1
+    exits = run.exits()
+    for w in range(workers):
+        assert f"worker {w} exited with code 1" in exits, exits
+    # Whoever compares with worker 1 first finds the difference; the others learn of it.
+    found = [run.error_of(w) for w in range(workers)]
+    assert any(text.startswith("jaxmirror.errors.CollectiveMismatchError: ") for _, text in found)
+    for at, text in found:
+        assert "runs a different step from worker" in text, text
+        assert "step `step` with inputs (float32[1]" in text
+        assert at - run.breaking_at() < 30.0
+    _, text = found[1]
+    assert "worker 1 (127.0.0.1:" in text
+
+
+CHIEF_ONLY = {"chief-result": "`Mean.result()`", "chief-save": "`jaxmirror.checkpoint.save`",
+              "chief-reduce": "`strategy.reduce`"}
+
+
+@pytest.mark.parametrize("workers,devices", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("mode", sorted(CHIEF_ONLY))
+def test_a_call_only_the_chief_makes_ends_every_worker_with_a_named_error(mode, workers,
+                                                                         devices):
+    # TF's habit of printing or saving on the chief only, around a call that communicates.
+    run = Launched(mode, workers, devices)
+    assert run.code == 1
+    at, text = run.error_of(0)
+    assert text.startswith("jaxmirror.errors.CollectiveMismatchError: worker 0 (127.0.0.1:")
+    assert f"called {CHIEF_ONLY[mode]}, but worker" in text
+    assert "which worker 0 (127.0.0.1:" in text or "ended its program" in text
+    assert "every worker must make them" in text and "should_checkpoint" in text
+    assert at - run.breaking_at() < 30.0
+    _survivors_end_naming(run, 0, workers, CHIEF_ONLY[mode])
+
+
+def test_a_metric_read_on_the_chief_after_the_loop_names_the_workers_that_ended():
+    run = Launched("chief-result-at-end", 2, 2)
+    at, text = run.error_of(0)
+    assert text.startswith("jaxmirror.errors.CollectiveMismatchError: worker 0 (127.0.0.1:")
+    assert "called `Mean.result()`, but worker 1 (127.0.0.1:" in text
+    assert "ended its program without making that call" in text
+    _survivors_end_naming(run, 0, 2, "`Mean.result()`")
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_timeout_seconds_bounds_each_collective(devices):
+    # Worker 1 is busy 60 s between steps; worker 0 waits in the next step for 5 s at most.
+    run = Launched("busy", 2, devices, timeout=5)
+    at, text = run.error_of(0)
+    assert text.startswith("jaxmirror.errors.DeadlineExceededError: worker 0 (127.0.0.1:")
+    assert "`step` (this worker's cross-worker call 4) did not finish within 5 s" in text
+    assert 5.0 < at - run.breaking_at() < 20.0
+    _, text = run.error_of(1)  # raised into it when its sleep ends, or printed at exit
+    assert "did not finish within 5 s" in text
+
+
+def test_a_run_that_breaks_nothing_finishes_cleanly():
+    run = Launched("ok", 2, 2)
+    assert run.code == 0, run.text[-4000:]
+    assert run.text.count("finished") == 2
+    assert "jaxmirror.errors" not in run.text

@@ -20,6 +20,7 @@ from jax._src import config as _config  # nor marking a transfer explicit (as de
 from jax._src.interpreters import pxla as _pxla  # nor device_put without its Python dispatch
 from jax._src.lib import xla_client as _xc  # nor its copy semantics
 from jax._src.lax import parallel as _parallel  # nor these collectives' primitives
+from jax._src.lib import _jax as _jaxlib  # nor the coordination service on its own
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -200,13 +201,58 @@ def distributed_coordinator_address() -> str | None:
     return _distributed.global_state.coordinator_address
 
 
+def start_coordination_service(bind_address: str, num_processes: int, heartbeat_s: int,
+                               shutdown_s: int):
+    """JAX's coordination service (what ``jax.distributed.initialize`` starts in process 0),
+    started here on its own, with failed tasks recoverable: the service keeps serving the
+    others and reports the dead task as no longer live (``live_processes``) instead of ending
+    every client. Keep the returned object alive as long as the service should run."""
+    return _jaxlib.get_distributed_runtime_service(
+        bind_address, num_processes, heartbeat_timeout=heartbeat_s, shutdown_timeout=shutdown_s,
+        recoverable=True)
+
+
+class _WithoutService:
+    """``jax._src.distributed``'s view of ``_jax`` in which process 0 starts no service."""
+
+    def __getattr__(self, name):
+        if name == "get_distributed_runtime_service":
+            return lambda *args, **kwargs: None
+        return getattr(_jaxlib, name)
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int,
+                           heartbeat_s: int, shutdown_s: int, start_service: bool) -> None:
+    """``jax.distributed.initialize`` for this process; with ``start_service=False`` process 0
+    connects to a service already running (``start_coordination_service``) instead of starting
+    its own (JAX 0.10 always starts it in process 0, so that process's death ends every other
+    one through the client's fatal error handler)."""
+    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                  process_id=process_id, cluster_detection_method="deactivate",
+                  initialization_timeout=24 * 3600, heartbeat_timeout_seconds=heartbeat_s,
+                  shutdown_timeout_seconds=shutdown_s)
+    if start_service or process_id != 0:
+        jax.distributed.initialize(**kwargs)
+        return
+    saved, _distributed._jax = _distributed._jax, _WithoutService()
+    try:
+        jax.distributed.initialize(**kwargs)
+    finally:
+        _distributed._jax = saved
+
+
+def live_processes(client, num_processes: int) -> set:
+    """The process ids the coordination service still counts as live (heartbeats arriving)."""
+    return set(client.get_live_nodes(list(range(num_processes))))
+
+
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec", "Primitive",
     "abstract_key", "backend_started", "current_trace", "distributed_client",
     "distributed_coordinator_address",
     "eval_jaxpr",
-    "forget_failed_effect_tokens", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
-    "local_abstract_key", "make_mesh", "pbroadcast_p", "psum_invariant_p", "pvary_p",
+    "forget_failed_effect_tokens", "initialize_distributed", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
+    "live_processes", "local_abstract_key", "make_mesh", "pbroadcast_p", "psum_invariant_p", "pvary_p",
     "reduce_scatter_p", "refuse_array_likes_in", "register_array_like", "set_cpu_device_count",
-    "shard_map", "trace_state_clean",
+    "shard_map", "start_coordination_service", "trace_state_clean",
 ]

@@ -86,7 +86,33 @@ class Placement:
         Returns:
             The same, as ``jax.Array``s replicated over the mesh.
         """
-        return jax.device_put(value, self.mirrored_sharding)
+        return self._put(value, self.mirrored_sharding)
+
+    def _put(self, value, sharding):
+        """``jax.device_put(value, sharding)``, also across processes. There ``device_put`` of
+        host data checks that every process gave the same value, a collective of its own that
+        would hang a worker calling it alone (and with one device per worker it refuses arrays
+        committed to this process's devices); as TF, each worker's own copy is taken as the
+        value instead, without communicating. Arrays spanning the workers are resharded by a
+        program."""
+        if not self.multi_process:
+            return jax.device_put(value, sharding)
+
+        def leaf(x):
+            if _compat.is_tracer(x):
+                return jax.device_put(x, sharding)
+            if isinstance(x, jax.Array):
+                if x.sharding.is_equivalent_to(sharding, x.ndim):
+                    return x
+                if not x.is_fully_addressable:
+                    if sharding == self.replicated_sharding:
+                        return self._to_every_device(x)
+                    return jax.device_put(x, sharding)
+            host = np.asarray(x)
+            host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        return jax.tree.map(leaf, value)
 
     def store(self, value, owned: bool = False):
         """``value`` where variables and mirrored parameters live (``storage_sharding``).
@@ -102,7 +128,7 @@ class Placement:
         """
         if owned:
             value = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, value)
-        return jax.device_put(value, self.storage_sharding)
+        return self._put(value, self.storage_sharding)
 
     def to_compute(self, tree):
         """``tree`` with the arrays stored on the parameter device copied to every replica.
@@ -181,7 +207,7 @@ class Placement:
         Returns:
             The array, sharded along axis 0 over the replicas.
         """
-        return jax.device_put(stacked, self.replica_sharding)
+        return self._put(stacked, self.replica_sharding)
 
     def stack_copies(self, value) -> PerReplica:
         """``num_replicas`` copies of ``value``, one per replica.

@@ -10,16 +10,21 @@ a bad dataset fails there and ``element_spec`` is known.
 
 from __future__ import annotations
 
+import base64
 import itertools
+import pickle
 import threading
 
 import jax
+import numpy as np
 
 from jaxmirror.data import batching, sources
 from jaxmirror.data.iterators import DistributedIterator
 from jaxmirror.data.options import AutoShardPolicy, InputOptions, InputReplicationMode
 from jaxmirror.data.placer import HostBatch, Placer
 from jaxmirror.data.prefetch import Inline, Prefetcher
+from jaxmirror.runtime import ledger
+from jaxmirror.runtime.exchange import StepExchange
 
 _END = object()
 
@@ -136,17 +141,27 @@ class DistributedDataset:
         raise NotImplementedError
 
     def __iter__(self) -> DistributedIterator:
+        stop, rounds = threading.Event(), None
+        several = self._topology.num_workers > 1
+        if several:
+            # A new pass is a call every worker makes; then every step the workers agree on
+            # each replica's rows and on whether any worker still has data (TF's way).
+            ledger.agree(f"iter() of a DistributedDataset from {self._what}")
+            rounds = StepExchange(self._what, cancelled=stop.is_set)
         threaded = self._options.prefetch_thread
         if threaded is None:
-            threaded = any(d.platform != "cpu" for d in self._strategy.extended.devices)
+            # Several workers: the agreement waits on the network, best done ahead of the step.
+            threaded = several or any(d.platform != "cpu"
+                                      for d in self._strategy.extended.devices)
         if threaded:
-            source = Prefetcher(self._epoch(), self._options.experimental_per_replica_buffer_size)
+            source = Prefetcher(self._epoch(rounds), self._options.experimental_per_replica_buffer_size,
+                                stop=stop)
             return DistributedIterator(self._strategy, source, self)
-        return self._inline_iterator()
+        return self._inline_iterator(rounds)
 
-    def _inline_iterator(self) -> DistributedIterator:
+    def _inline_iterator(self, rounds) -> DistributedIterator:
         """An iterator that makes each batch in ``next`` (no thread)."""
-        return DistributedIterator(self._strategy, Inline(self._epoch()), self)
+        return DistributedIterator(self._strategy, Inline(self._epoch(rounds)), self)
 
     @property
     def element_spec(self):
@@ -180,9 +195,35 @@ class DistributedDataset:
         """Read the first batch (for ``element_spec``) without losing it."""
         raise NotImplementedError
 
-    def _epoch(self):
-        """The placed batches of one epoch: a generator, run on the prefetch thread or in next."""
+    def _epoch(self, rounds):
+        """The placed batches of one epoch: a generator, run on the prefetch thread or in next.
+
+        ``rounds`` is the pass's ``StepExchange`` with the other workers (``None`` alone)."""
         raise NotImplementedError
+
+    def _spec_text(self) -> str | None:
+        """This worker's element structure for the others (a worker without data needs it)."""
+        if self._first is None:
+            return None
+        tree, specs = self._first
+        data = pickle.dumps((tree, [(np.dtype(d).str, tuple(shape)) for d, shape in specs]))
+        return base64.b64encode(data).decode("ascii")
+
+    def _adopt_spec(self, shared) -> None:
+        """Take another worker's element structure when this worker has seen no batch."""
+        if self._first is not None:
+            return
+        text = next((s["spec"] for s in shared if s.get("spec")), None)
+        if text is not None:
+            tree, specs = pickle.loads(base64.b64decode(text))
+            with self._lock:
+                if self._first is None:
+                    self._first = (tree, [(np.dtype(d), tuple(shape)) for d, shape in specs])
+
+    def _blank_blocks(self, size: int, replicas: int) -> list:
+        """Zero-row blocks for this worker's replicas when its data has ended (only padding)."""
+        return [np.zeros((replicas, size) + tuple(shape), dtype) for dtype, shape in
+                self._first[1]]
 
 
 def peeked(factory, read_first, what):
@@ -242,20 +283,23 @@ class GlobalBatchDataset(DistributedDataset):
     def _peek(self) -> None:
         self._factory = peeked(self._factory, self._read_first, self._what)
 
-    def _epoch(self):
-        return map(self._placer.place_batch, self._host_batches())
+    def _epoch(self, rounds):
+        return map(self._placer.place_batch, self._host_batches(rounds))
 
-    def _inline_iterator(self) -> DistributedIterator:
+    def _inline_iterator(self, rounds) -> DistributedIterator:
         # Batches stay on the host until asked for: one at a time by ``next``, or several
         # stacked into one transfer by a fused step (``DistributedIterator.take_stacked``).
-        source = Inline(self._host_batches())
+        source = Inline(self._host_batches(rounds))
         return DistributedIterator(self._strategy, source, self, place=self._placer.place_batch,
                                    stack=self._placer.stack)
 
-    def _host_batches(self):
+    def _host_batches(self, rounds):
         """The epoch's batches split and padded on the host (``placer.HostBatch``); the first
         is read and checked now (a bad one raises from ``iter``)."""
-        return self._split_all(self._read_first(self._factory()))
+        source = self._read_first(self._factory())
+        if rounds is None:
+            return self._split_all(source)
+        return self._split_agreed(source, rounds)
 
     def _split_all(self, source):
         for position, element in enumerate(source):
@@ -271,6 +315,44 @@ class GlobalBatchDataset(DistributedDataset):
         padded = self._padding(index is not None)
         blocks = [batching.local_block(a, share, size, index) for a in leaves]
         return HostBatch(tree, blocks, tuple(share.counts) if padded else None)
+
+    def _split_agreed(self, source, rounds):
+        """``_split_all`` across workers that may read different data: every step the workers
+        agree on each replica's real rows, the static size, and whether any worker still has
+        a batch; one whose data has ended gets zero rows until every worker's has."""
+        topo, position = self._topology, 0
+        source = iter(source)
+        sent_spec = False
+        while True:
+            element = next(source, _END)
+            while element is not _END:
+                leaves, tree, rows = self._check(element, position)
+                position += 1
+                if not (rows < self._rows and self._options.drop_remainder):
+                    break
+                element = next(source, _END)
+            mine = {"replicas": len(topo.local), "counts": None, "rows": 0, "spec": None}
+            if element is not _END:
+                sh = batching.share(rows, topo, self._off)
+                mine.update(counts=[sh.counts[i] for i in topo.local], rows=rows)
+            if not sent_spec and self._first is not None:
+                mine["spec"], sent_spec = self._spec_text(), True
+            shared = rounds.share(mine)
+            if shared is None or all(s["counts"] is None for s in shared):
+                return  # closed, or every worker's data has ended: the epoch ends everywhere
+            self._adopt_spec(shared)
+            with self._lock:
+                self._rows = max([self._rows or 0] + [s["rows"] for s in shared])
+            counts = tuple(c for s in shared for c in (s["counts"] or [0] * s["replicas"]))
+            size = batching.padded_size(self._rows, self._parts)
+            padded = self._padding(any(c != size for c in counts))
+            if element is _END:
+                yield HostBatch(self._first[0], self._blank_blocks(size, len(topo.local)),
+                                counts if padded else None)
+                continue
+            index = batching.row_index(sh, size)
+            blocks = [batching.local_block(a, sh, size, index) for a in leaves]
+            yield HostBatch(tree, blocks, counts if padded else None)
 
     def _plan(self, rows):
         """How a batch of ``rows`` rows is split and padded (an epoch has few distinct sizes)."""

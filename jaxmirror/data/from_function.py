@@ -7,7 +7,6 @@ import numpy as np
 from jaxmirror.data import batching, sources
 from jaxmirror.data.datasets import DistributedDataset, peeked
 from jaxmirror.data.options import InputContext, InputReplicationMode
-from jaxmirror.runtime.exchange import StepExchange
 
 
 class DistributedDatasetsFromFunction(DistributedDataset):
@@ -25,9 +24,7 @@ class DistributedDatasetsFromFunction(DistributedDataset):
         options: an ``InputOptions``.
 
     Raises:
-        ValueError: for a non-callable ``dataset_fn`` or bad options; with several workers,
-            unless ``drop_remainder`` makes every step full (workers cannot agree on partial
-            steps without a collective of their own).
+        ValueError: for a non-callable ``dataset_fn`` or bad options.
 
     Example:
         >>> import numpy as np, jaxmirror
@@ -49,9 +46,6 @@ class DistributedDatasetsFromFunction(DistributedDataset):
             raise ValueError(f"{what}: `dataset_fn` must be a function taking an InputContext; "
                              f"got {type(dataset_fn).__name__}.")
         topo = self._topology
-        # Workers read different data: each step they agree on every replica's rows, and on
-        # whether the epoch goes on (one worker running out first would hang the others).
-        self._exchange = StepExchange(what) if topo.num_workers > 1 else None
         self._per_replica = (self._options.experimental_replication_mode
                              is InputReplicationMode.PER_REPLICA)
         n = topo.num_replicas
@@ -68,18 +62,18 @@ class DistributedDatasetsFromFunction(DistributedDataset):
     def _peek(self) -> None:
         self._factories[0] = peeked(self._factories[0], self._read_first, self._what)
 
-    def _epoch(self):
+    def _epoch(self, rounds):
         first, *rest = [f() for f in self._factories]
-        return self._steps([self._read_first(first)] + [iter(r) for r in rest])
+        return self._steps([self._read_first(first)] + [iter(r) for r in rest], rounds)
 
-    def _steps(self, iterators):
+    def _steps(self, iterators, rounds):
         """Per step, one batch per local replica."""
         if self._per_replica:
             pulls = [lambda it=it: next(it, None) for it in iterators]
         else:
             (shared,) = iterators
             pulls = [lambda: next(shared, None)] * len(self._topology.local)
-        position = 0
+        position, sent_spec = 0, False
         while True:
             elements = [pull() for pull in pulls]
             checked = []
@@ -90,8 +84,12 @@ class DistributedDatasetsFromFunction(DistributedDataset):
                     position += 1
                 checked.append(element)
             counts = [0 if c is None else c[1] for c in checked]
-            if self._exchange is not None:
-                counts = self._all_counts(counts, any(c is not None for c in checked))
+            if rounds is not None:
+                spec = None
+                if not sent_spec and self._first is not None:
+                    spec, sent_spec = self._spec_text(), True
+                counts = self._all_counts(rounds, counts, any(c is not None for c in checked),
+                                          spec)
                 if counts is None:
                     return
             elif all(e is None for e in elements):
@@ -100,12 +98,13 @@ class DistributedDatasetsFromFunction(DistributedDataset):
                 continue
             yield self._stack(checked, counts)
 
-    def _all_counts(self, local_counts, more: bool):
+    def _all_counts(self, rounds, local_counts, more: bool, spec):
         """Every replica's rows this step (``None``: every worker's data has ended)."""
-        shared = self._exchange.share([local_counts, more])
-        if not any(m for _, m in shared):
+        shared = rounds.share({"counts": local_counts, "more": more, "spec": spec})
+        if shared is None or not any(s["more"] for s in shared):
             return None
-        counts = [c for worker_counts, _ in shared for c in worker_counts]
+        self._adopt_spec(shared)
+        counts = [c for s in shared for c in s["counts"]]
         with self._lock:  # every worker pads to the same size: the largest batch anywhere
             self._rows = max(self._rows or 0, max(counts))
         return counts
@@ -118,7 +117,7 @@ class DistributedDatasetsFromFunction(DistributedDataset):
         padded = self._padding(any(c != size for c in counts))
         some = next((c[0] for c in checked if c is not None), None)  # rows to copy as padding
         if some is None:  # this worker's data has ended, others' has not: padding only
-            some = self._blank_batch(size)
+            some = [block[0] for block in self._blank_blocks(size, 1)]
         mine = counts[self._topology.local.start:self._topology.local.stop]
         blocks = []
         for j in range(len(some)):
@@ -127,9 +126,3 @@ class DistributedDatasetsFromFunction(DistributedDataset):
                      for c, count in zip(checked, mine)]
             blocks.append(np.stack(parts))
         return self._placer.place(tree, blocks, counts if padded else None)
-
-    def _blank_batch(self, size: int) -> list:
-        if self._first is None:
-            raise ValueError(f"{self._what}: this worker's dataset gave no batch at all while "
-                             f"other workers' did; give every worker data (or none to all).")
-        return [np.zeros((size,) + tuple(shape), dtype) for dtype, shape in self._first[1]]

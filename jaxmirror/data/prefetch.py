@@ -40,6 +40,8 @@ class Prefetcher:
     Args:
         source: an iterator; it is only ever advanced by the prefetch thread.
         depth: how many finished items may wait.
+        stop: the ``threading.Event`` that stops the thread (set by ``close``); the source may
+            watch it too, to give up a long wait. A new one by default.
 
     Example:
         >>> p = Prefetcher(iter(range(3)), depth=1)
@@ -47,9 +49,9 @@ class Prefetcher:
         [0, 1, 2]
     """
 
-    def __init__(self, source, depth: int):
+    def __init__(self, source, depth: int, stop: threading.Event | None = None):
         self._queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
         self._done = False
         self._thread = threading.Thread(target=self._run, args=(source, self._queue, self._stop),
                                         name="jaxmirror-prefetch", daemon=True)

@@ -166,8 +166,10 @@ def run(fn, workers: int, devices_per_worker: int | None = None, args=(), kwargs
     (the workers import it by name, with this process's ``sys.path``), or a lambda, closure
     or function defined in a notebook or ``__main__`` (shipped by value with cloudpickle).
 
-    When a worker fails, the others get SIGINT, and SIGKILL ``grace`` seconds later; the same
-    happens to all of them on ``timeout`` and on Ctrl-C (KeyboardInterrupt, re-raised).
+    When a worker fails, workers that joined a multi-worker cluster get 20 s (or ``grace``, if
+    longer) to stop on their own (a joined worker ends itself with an error naming the failed
+    one); then the others get SIGINT, and SIGKILL ``grace`` seconds later; on ``timeout`` and on Ctrl-C (KeyboardInterrupt, re-raised) they
+    get SIGINT at once.
 
     Args:
         fn: the function each worker calls.
@@ -215,6 +217,9 @@ def run(fn, workers: int, devices_per_worker: int | None = None, args=(), kwargs
                     f"jaxmirror.launch.run: timed out after {timeout:g} s (timeout={timeout!r}); "
                     f"worker(s) {', '.join(map(str, e.running))} were still running and have "
                     "been stopped") from None
+            if failed is not None and group.joined_a_cluster():
+                # The others end themselves, naming the failure.
+                group.settle(max(grace, processes.SETTLE_S))
         if failed is not None:
             raise _failure(group, failed, results[failed])
         values = []

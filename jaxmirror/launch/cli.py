@@ -104,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     running the script with this Python, each with its own ``TF_CONFIG`` (worker ``i`` of a
     cluster on free 127.0.0.1 ports) and ``JAXMIRROR_LAUNCH_WORKERS`` /
     ``JAXMIRROR_LAUNCH_WORKER_INDEX``, and prints their output prefixed with ``[worker i] ``.
-    When a worker fails, on ``--timeout`` and on Ctrl-C the workers get SIGINT, and SIGKILL
-    ``--grace`` seconds later. A worker whose script fails exits at once, skipping ``atexit``
+    When a worker fails, workers that joined a multi-worker cluster get 20 s (or ``--grace``,
+    if longer) to stop on their own (a joined worker ends itself, naming the failed one), then
+    SIGINT, and SIGKILL ``--grace`` seconds
+    later; on ``--timeout`` and on Ctrl-C they get SIGINT at once. A worker whose script fails exits at once, skipping ``atexit``
     handlers (JAX's shutdown barrier would hold it until the others finish; see
     ``jaxmirror.launch.script_main``).
 
@@ -146,9 +148,22 @@ def main(argv: list[str] | None = None) -> int:
             if failed is None:
                 return 0
             code = group.returncode(failed)
-            others = "; stopping the other workers" if opts.workers > 1 else ""
+            settle = max(opts.grace, processes.SETTLE_S)
+            others = ""
+            if opts.workers > 1:
+                joined = group.joined_a_cluster()
+                others = (f"; the others get {settle:g} s to stop on their own" if joined
+                          else "; stopping the other workers")
             group.log(f"worker {failed} {processes.describe_exit(code)}{others}")
-            return code if code > 0 else 128 - code
+            if others.startswith("; the others"):
+                running = group.settle(settle)
+                if running:
+                    group.log(f"worker(s) {', '.join(map(str, running))} still running; "
+                              f"stopping them")
+        if opts.workers > 1:  # how each one ended, after the stop
+            group.log("; ".join(f"worker {w.index} {processes.describe_exit(w.process.returncode)}"
+                                for w in group.workers))
+        return code if code > 0 else 128 - code
     except _Terminated as e:
         return 128 + e.signum
     except KeyboardInterrupt:

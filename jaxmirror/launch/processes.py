@@ -36,6 +36,10 @@ import time
 LOG_PREFIX = "jaxmirror.launch: "
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count="
 STDERR_TAIL_LINES = 20
+# After a worker fails, how long the others get to stop on their own: a joined worker learns of
+# a raised error within a second, and of a killed worker after the coordination service's
+# heartbeat timeout (10 s by default), then ends itself naming it.
+SETTLE_S = 20.0
 
 
 def free_ports(n: int) -> list[int]:
@@ -104,6 +108,8 @@ def describe_exit(returncode: int) -> str:
     Returns:
         The phrase.
     """
+    if returncode is None:
+        return "is still running"
     if returncode >= 0:
         return f"exited with code {returncode}"
     try:
@@ -262,6 +268,40 @@ class WorkerGroup:
                 self.workers[index].join_output(1.0)
                 return index
         return None
+
+    def joined_a_cluster(self) -> bool:
+        """Whether the workers joined a multi-worker cluster: something listens at a worker's
+        ``TF_CONFIG`` address (the coordination service, or a joined worker's presence socket).
+        Joined workers end themselves after another's failure, naming it (``settle``)."""
+        addresses = set()
+        for env in self.envs:
+            try:
+                addresses.update(json.loads(env.get("TF_CONFIG", "{}"))["cluster"]["worker"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        for address in sorted(addresses):
+            host, _, port = address.rpartition(":")
+            try:
+                with socket.create_connection((host, int(port)), timeout=0.5):
+                    return True
+            except (OSError, ValueError):
+                continue
+        return False
+
+    def settle(self, timeout: float) -> list[int]:
+        """Give the running workers up to ``timeout`` seconds to exit on their own (after one
+        failed, a joined worker ends itself, naming the failure); those still running.
+
+        Args:
+            timeout: seconds.
+
+        Returns:
+            The indices of the workers still running.
+        """
+        deadline = time.monotonic() + timeout
+        for w in self.workers:
+            w.exited.wait(max(0.0, deadline - time.monotonic()))
+        return self.running()
 
     def stop(self) -> None:
         """SIGINT to every running worker's group, SIGKILL to every group after ``grace``."""

@@ -58,6 +58,18 @@ def _user_traceback(tb):
     return tb
 
 
+def tell_the_cluster(error: BaseException) -> None:
+    """Tell the other workers that this one's program failed with ``error``, when it joined a
+    multi-worker cluster (without importing jaxmirror or JAX if it never did).
+
+    Args:
+        error: the exception that ended the program.
+    """
+    failures = sys.modules.get("jaxmirror.runtime.failures")
+    if failures is not None:
+        failures.note_and_report(error)  # an exit code says it all: nothing else to show
+
+
 def main(argv: list[str]) -> None:
     """Run ``argv`` (``["--", script, *args]`` or ``["-m", module, *args]``) as ``__main__``.
 
@@ -86,10 +98,12 @@ def main(argv: list[str]) -> None:
             raise
         if not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
+        tell_the_cluster(e)
         _flush()
         os._exit(code)
     except BaseException as e:  # noqa: BLE001 - the script's uncaught exception, Ctrl-C included
-        # Python's hook prints the exception's own __traceback__, whatever it is passed.
+        # Python's hook prints the exception's own __traceback__, whatever it is passed (and
+        # jaxmirror's, once a strategy joined a cluster, tells the other workers).
         tb = _user_traceback(e.__traceback__)
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         _flush()

@@ -46,7 +46,18 @@ def outcome_of(fn, args, kwargs) -> tuple:
     try:
         return "returned", fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - SystemExit and Ctrl-C too: fn did not return
+        e = _tell_the_cluster(e)
         return "raised", _type_name(type(e)), str(e), _traceback(e)
+
+
+def _tell_the_cluster(error: BaseException) -> BaseException:
+    # The other workers learn of the failure at once (jaxmirror's failure record), when this
+    # one joined a cluster; looked up, not imported: importing would start JAX. An error that
+    # is another worker's failure reaching this one comes back as the error naming it.
+    failures = sys.modules.get("jaxmirror.runtime.failures")
+    if failures is None:
+        return error
+    return failures.note_and_report(error)
 
 
 def _traceback(e: BaseException) -> str:

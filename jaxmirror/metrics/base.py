@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax.numpy as jnp
 
 from jaxmirror.core import context
 from jaxmirror.metrics.accumulation import zero
+from jaxmirror.runtime import ledger
 from jaxmirror.variables.variable import Variable
 
 
@@ -36,6 +38,17 @@ def checked_dtype(api: str, dtype):
         raise ValueError(f"{api}: `dtype` must be a floating dtype (float32, bfloat16, ...); "
                          f"got {dtype!r}.")
     return resolved
+
+
+def _named_result(result, call: str):
+    """``result`` whose reads are named ``call`` in the multi-worker ledger (``runtime/ledger``:
+    a result read on the chief only is then named in the error every worker gets)."""
+    @functools.wraps(result)
+    def named_result(self, *args, **kwargs):
+        with ledger.named(call):
+            return result(self, *args, **kwargs)
+
+    return named_result
 
 
 class Metric:
@@ -84,6 +97,11 @@ class Metric:
         >>> float(positives.result()), [float(c) for c in positives.positives.values]
         (4.0, [2.0, 2.0])
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "result" in cls.__dict__:  # its reads agree across workers as this metric's result()
+            cls.result = _named_result(cls.__dict__["result"], f"{cls.__name__}.result()")
 
     def __init__(self, name=None, dtype=None):
         api = type(self).__name__

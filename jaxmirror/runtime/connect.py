@@ -7,11 +7,18 @@ waits for the configured timeout: on time-out it raises a ``TimeoutError`` namin
 never joined. Each non-coordinator task holds a listening socket at its own cluster address
 while it lives (as TF's servers listen at theirs), so a task that never started can be told
 apart from one that started and did not join.
+
+The chief starts the coordination service in a helper process first (``runtime/service.py``),
+so that a dead chief is named like any other worker; once joined, every worker watches the
+cluster (``runtime/watch.py``) and reports its own failure (``runtime/failures.py``).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import socket
+import sys
 import threading
 import time
 
@@ -19,11 +26,14 @@ import jax
 
 from jaxmirror.cluster_resolver.cluster_spec import parse_address
 from jaxmirror.core import _compat
-from jaxmirror.runtime import failures
+from jaxmirror.runtime import failures, service, watch
 
 DEFAULT_TIMEOUT = 300  # seconds, as jax.distributed's initialization_timeout
-_FAR_DEADLINE = 24 * 3600  # the registration thread's own: ours decides first
-_state = {"layout": None, "presence": None}
+# A worker silent this long is dead: failures are named within about this long, and a live
+# worker's heartbeats come from a C++ thread of its own, so a busy worker is never mistaken.
+DEFAULT_HEARTBEAT = 10
+SHUTDOWN_TIMEOUT = 300  # how long a worker that ended waits for the others at exit
+_state = {"layout": None, "presence": None, "exit_registered": False}
 
 
 def joined():
@@ -31,16 +41,24 @@ def joined():
     return _state["layout"]
 
 
-def join(layout, timeout: float, api: str) -> None:
+def heartbeat_for(timeout_seconds) -> int:
+    """The heartbeat timeout for a collective bound of ``timeout_seconds`` (``None``: none):
+    ``DEFAULT_HEARTBEAT``, or the bound when it is shorter (2 s at least)."""
+    if timeout_seconds is None:
+        return DEFAULT_HEARTBEAT
+    return max(2, min(DEFAULT_HEARTBEAT, int(timeout_seconds + 0.999)))
+
+
+def join(layout, timeout: float, api: str, heartbeat: int = DEFAULT_HEARTBEAT) -> None:
     """Join the cluster ``layout`` describes, as its process ``layout.process_id``.
 
     Reuses a ``jax.distributed`` runtime that is already up when it matches ``layout``.
 
     Args:
         layout: the cluster's ``Layout``.
-        timeout: seconds the whole cluster may take to assemble (also the heartbeat timeout:
-            a worker silent that long is declared dead).
+        timeout: seconds the whole cluster may take to assemble.
         api: the caller, for error messages.
+        heartbeat: seconds without heartbeats after which a worker is declared dead.
 
     Raises:
         RuntimeError: when ``jax.distributed`` is up for another cluster, or JAX's backend has
@@ -50,8 +68,7 @@ def join(layout, timeout: float, api: str) -> None:
     """
     if jax.distributed.is_initialized():
         _check_matches(layout, api)
-        _state["layout"] = layout
-        failures.install(layout)
+        _joined(layout, heartbeat)
         return
     if _compat.backend_started():
         raise RuntimeError(
@@ -65,11 +82,14 @@ def join(layout, timeout: float, api: str) -> None:
         # Without an implementation CPU collectives cannot cross processes at all.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     deadline = time.monotonic() + timeout
-    if not layout.is_chief:
+    if layout.is_chief:
+        service.start(layout.coordinator.address, layout.num_processes, heartbeat,
+                      SHUTDOWN_TIMEOUT, linger_s=heartbeat + 10.0)
+    else:
         _hold_presence(layout.me.address)
         _wait_for_coordinator(layout, deadline, timeout, api)
     outcome = {}
-    thread = threading.Thread(target=_register, args=(layout, timeout, outcome),
+    thread = threading.Thread(target=_register, args=(layout, heartbeat, outcome),
                               name="jaxmirror-join", daemon=True)
     thread.start()
     thread.join(max(0.0, deadline - time.monotonic()))
@@ -80,28 +100,76 @@ def join(layout, timeout: float, api: str) -> None:
         failures.mark_failed()
         raise RuntimeError(f"{api}: joining the cluster as {layout.me} failed: "
                            f"{outcome['error']}") from outcome["error"]
+    _joined(layout, heartbeat)
+
+
+def _joined(layout, heartbeat: int) -> None:
     _state["layout"] = layout
+    failures.set_heartbeat(heartbeat)
     failures.install(layout)
+    watch.start(layout)
+    if not _state["exit_registered"]:
+        atexit.register(_at_exit)
+        _state["exit_registered"] = True
+
+
+def _at_exit() -> None:
+    if failures.failed():
+        failures.exit_failed()  # the others know, and stop too
+    if _state["layout"] is not None:
+        leave()  # before the interpreter's teardown, which would disconnect in any order
+
+
+def _finish(layout) -> None:
+    """This worker's program ended: say so, wait (watching) until every worker's has, then
+    stop the watch: everyone may disconnect now, and the service go."""
+    failures.ended(layout.process_id)
+    client = _compat.distributed_client()
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT
+    with failures.waiting():
+        for process, task in enumerate(layout.tasks):
+            while process != layout.process_id and not _has_ended(client, process):
+                found = failures.ending()
+                if found is not None:
+                    failures.exit_with(*found)
+                if time.monotonic() > deadline:
+                    print(f"jaxmirror: {task} has not ended its program {SHUTDOWN_TIMEOUT} s "
+                          f"after this worker, {layout.me}, ended its own; leaving without it.",
+                          file=sys.stderr, flush=True)
+                    os._exit(0)
+    watch.stop()
+
+
+def _has_ended(client, process: int) -> bool:
+    try:
+        client.blocking_key_value_get(f"{failures.ENDED_PREFIX}{process}", 500)
+        return True
+    except Exception:  # noqa: BLE001 - not yet (DEADLINE_EXCEEDED)
+        return False
 
 
 def leave() -> None:
-    """Shut the runtime down cleanly (every worker calls it) and close the presence socket."""
+    """Shut the runtime down cleanly (every worker calls it, ``experimental_finalize`` and at
+    exit): wait until every worker's program has ended, disconnect, stop the chief's service
+    helper, close the presence socket."""
+    layout = _state["layout"]
+    if layout is not None:
+        _finish(layout)
     if jax.distributed.is_initialized():
         jax.distributed.shutdown()
+    service.stop()
     presence, _state["presence"] = _state["presence"], None
     if presence is not None:
         presence.close()
+    failures.left()
     _state["layout"] = None
 
 
-def _register(layout, timeout: float, outcome: dict) -> None:
+def _register(layout, heartbeat: int, outcome: dict) -> None:
     try:
-        jax.distributed.initialize(
-            coordinator_address=layout.coordinator.address,
-            num_processes=layout.num_processes, process_id=layout.process_id,
-            cluster_detection_method="deactivate",
-            initialization_timeout=_FAR_DEADLINE,
-            heartbeat_timeout_seconds=max(1, int(timeout)))
+        _compat.initialize_distributed(
+            layout.coordinator.address, layout.num_processes, layout.process_id,
+            heartbeat_s=heartbeat, shutdown_s=SHUTDOWN_TIMEOUT, start_service=False)
     except Exception as error:  # noqa: BLE001 - handed to the waiting thread, which raises
         outcome["error"] = error
 

@@ -1,11 +1,14 @@
 """``StepExchange``: workers tell each other small per-step facts through the coordinator.
 
-An input pipeline whose workers read different data (``distribute_datasets_from_function``)
-must agree, every step, on how many rows each replica got and whether the epoch goes on;
-otherwise a partial last step, or one worker running out first, leaves the others waiting in
-a collective for ever. The facts go through ``jax.distributed``'s key-value store (its
-coordination service), not through XLA collectives: a collective issued by a prefetch thread
-could interleave with the training step's in a different order on each worker.
+A distributed dataset's workers may read different data (``distribute_datasets_from_function``,
+or different files given to ``experimental_distribute_dataset``), so every step they agree on
+how many rows each replica got and whether the epoch goes on; otherwise a partial last step, or
+one worker running out first, leaves the others waiting in a collective for ever, or pairs one
+worker's step with another's evaluation. The facts go through ``jax.distributed``'s key-value
+store (its coordination service), not through XLA collectives: a collective issued by a
+prefetch thread could interleave with the training step's in a different order on each worker.
+The waits are the ledger's (``runtime/ledger.py``): a failed, dead or finished worker, or
+``CommunicationOptions(timeout_seconds)``, ends them with an error naming it.
 """
 
 from __future__ import annotations
@@ -13,22 +16,23 @@ from __future__ import annotations
 import itertools
 import json
 
-import jax
-
 from jaxmirror.core import _compat
+from jaxmirror.runtime import failures, ledger
 
-_TIMEOUT_MS = 10 * 60 * 1000  # a worker may spend long on one batch; a dead one fails earlier
 _names = itertools.count()
 
 
 class StepExchange:
     """Per-step all-gather of a small JSON value among this cluster's workers.
 
-    Every worker makes its exchanges in the same order (the same program runs everywhere),
-    so the n-th ``StepExchange`` made on each worker pairs up with the others' n-th.
+    Every worker makes its exchanges in the same order (a new pass over a dataset is agreed
+    in the ledger first), so the n-th ``StepExchange`` made on each worker pairs up with the
+    others' n-th.
 
     Args:
-        what: a label for the key names.
+        what: a label for the key names and messages.
+        cancelled: a function returning True once the exchange is no longer wanted (its
+            iterator was closed): a ``share`` waiting then returns ``None``.
 
     Example:
         >>> ex = StepExchange("doc")   # one process: the exchange is with itself
@@ -36,36 +40,43 @@ class StepExchange:
         [[3, 1]]
     """
 
-    def __init__(self, what: str):
-        self._prefix = f"jaxmirror/exchange/{next(_names)}/{what}"
+    def __init__(self, what: str, cancelled=None):
+        self._what = what
+        self._prefix = f"jaxmirror/exchange/{next(_names)}"
         self._round = 0
+        self._cancelled = cancelled or (lambda: False)
 
-    def share(self, value) -> list:
+    def share(self, value):
         """Give this worker's ``value``; get every worker's, in worker order.
 
         Args:
             value: a JSON-serializable value.
 
         Returns:
-            A list with one value per worker (process order).
+            A list with one value per worker (process order), or ``None`` once cancelled.
 
         Raises:
-            RuntimeError: when a worker does not answer within the time limit (it died).
+            errors.UnavailableError, errors.CollectiveMismatchError,
+            errors.DeadlineExceededError: as ``ledger.agree``.
         """
-        count, me = jax.process_count(), jax.process_index()
-        if count == 1:
+        layout = failures.joined()
+        if layout is None:
             return [value]
         client = _compat.distributed_client()
         step = f"{self._prefix}/{self._round}"
         self._round += 1
+        me = layout.process_id
         client.key_value_set(f"{step}/{me}", json.dumps(value))
         values = []
-        for worker in range(count):
-            try:
-                text = client.blocking_key_value_get(f"{step}/{worker}", _TIMEOUT_MS)
-            except Exception as error:  # noqa: BLE001 - JAX raises its runtime's own type
-                raise RuntimeError(f"the input pipeline's per-step exchange got no answer "
-                                   f"from worker {worker}: {error}") from error
+        for worker in range(layout.num_processes):
+            if worker == me:
+                values.append(value)
+                continue
+            text = ledger.wait_for_peer(client, f"{step}/{worker}", layout, worker,
+                                        f"next() on a distributed dataset ({self._what})",
+                                        cancelled=self._cancelled)
+            if text is None:
+                return None
             values.append(json.loads(text))
         if self._round > 2:  # everyone has read the round before last: drop this worker's key
             client.key_value_delete(f"{self._prefix}/{self._round - 3}/{me}")

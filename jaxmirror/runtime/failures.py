@@ -1,26 +1,42 @@
-"""What a worker does when the cluster breaks: say which task is gone, and exit, not hang.
+"""What a worker does when the cluster breaks: tell the others, learn of theirs, end, never hang.
 
-Measured on jax 0.10 (CPU, gloo): when a worker dies, the others' collectives fail at once
-(``Gloo all-reduce failed ... Connection closed by peer``), but their exit then runs
-``jax.distributed``'s shutdown barrier, which waits for the dead task and ends in a C++
-``abort()`` (exit code 134). So once an uncaught error has ended the program of a joined
-worker, it leaves with exit code 1 without that barrier; and the error gets a note naming the
-tasks whose addresses no longer answer.
+Every joined worker shares one key of the coordination service's key-value store, the cluster's
+failure record: the first worker whose program ends with an exception writes there who it is
+and what it raised (``report``); every other worker learns of it within about a second
+(``runtime/watch.py`` waits on that key, and the waits of ``runtime/ledger.py`` and
+``runtime/exchange.py`` look at it too) and ends with an ``errors.UnavailableError`` naming that
+worker (``end_for``). A worker blocked in a collective cannot be interrupted from Python, so
+after a short grace it prints the same error and exits with code 1.
+
+A worker whose program failed exits with code 1 without ``jax.distributed``'s shutdown barrier,
+which would wait for the others and then ``abort()``; one whose program ended normally says so
+(``ended``), so that a worker still waiting for it in a call that every worker must make can
+name it at once, and waits for the others to end too (``runtime/connect.py``).
 """
 
 from __future__ import annotations
 
-import atexit
+import ctypes
+import json
 import os
 import socket
 import sys
+import threading
 import time
+import traceback
 
 from jaxmirror.cluster_resolver.cluster_spec import parse_address
+from jaxmirror.core import _compat, errors
 
+FAILURE_KEY = "jaxmirror/failure"
+ENDED_PREFIX = "jaxmirror/ended/"
+_END_GRACE_S = 2.0  # how long a main thread may take to raise before the process just exits
+# An error that says a collective lost its peers: gloo between CPU processes, NCCL, the service.
 _PEER_FAILURE_MARKS = ("gloo", "connection closed", "connection reset", "unavailable",
-                       "heartbeat", "deadline_exceeded", "socket closed")
-_state = {"layout": None, "failed": False, "installed": False}
+                       "heartbeat", "deadline_exceeded", "socket closed", "nccl")
+_state = {"layout": None, "failed": False, "installed": False, "ending": None, "reported": False,
+          "waiting": 0}
+_lock = threading.Lock()
 
 
 def address_answers(address: str, timeout: float = 0.5) -> bool:
@@ -44,56 +60,37 @@ def address_answers(address: str, timeout: float = 0.5) -> bool:
         return False
 
 
-def gone_tasks(layout) -> list:
-    """The tasks of ``layout`` other than this one whose addresses no longer answer.
-
-    Every joined task keeps its address open (the coordinator's is ``jax.distributed``'s
-    service, the others' a presence socket), and the kernel closes it when the process dies.
-
-    Args:
-        layout: the cluster's ``Layout``.
-
-    Returns:
-        A list of ``Task``.
-    """
-    gone = []
-    for _ in range(5):
-        # A dying process's sockets close one by one: its collectives' may be gone before
-        # its address is, so look again for a moment.
-        gone = [t for t in layout.others if not address_answers(t.address)]
-        if gone:
-            return gone
-        time.sleep(0.2)
-    return gone
+def error_text(message: str, me) -> str:
+    """Another worker's failure record as this worker's error message."""
+    return f"{message.rstrip('.')}; this worker, {me}, stops too."
 
 
-def peer_failure_note(layout, error: BaseException) -> str | None:
-    """A note for ``error`` when it looks like a peer's failure, naming the gone tasks.
+def describe(error: BaseException) -> str:
+    """``"ValueError: boom (at train.py:12)"``: an exception's type, message and the last line
+    of the user's code it came through, for the other workers' messages.
 
     Args:
-        layout: the cluster's ``Layout``.
-        error: the exception that ended the program.
+        error: the exception.
 
     Returns:
-        The note, or ``None`` when ``error`` does not look like a communication failure.
+        One line (the message's first line, shortened to 300 characters).
+
+    Example:
+        >>> describe(ValueError("boom"))
+        'ValueError: boom'
     """
-    text = str(error).lower()
-    if not any(mark in text for mark in _PEER_FAILURE_MARKS):
-        return None
-    gone = gone_tasks(layout)
-    if gone:
-        names = ", ".join(str(t) for t in gone)
-        return (f"jaxmirror: {names} of the cluster stopped (its address no longer answers), so "
-                f"this collective could not complete; this worker ({layout.me}) stops too. "
-                f"Look at that worker's output for the first error.")
-    return ("jaxmirror: a collective between the workers failed; another worker probably "
-            "stopped or lost its connection. Look at the other workers' output for the first "
-            "error.")
-
-
-def mark_failed() -> None:
-    """Record that this worker failed, so its exit skips the coordinated shutdown."""
-    _state["failed"] = True
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 300:
+        first = first[:297] + "..."
+    line = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    own = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    user = [f for f in frames if not f.filename.startswith(own) and "site-packages" not in
+            f.filename and not f.filename.startswith("<frozen")]
+    if user:
+        line += f" (at {os.path.basename(user[-1].filename)}:{user[-1].lineno})"
+    return line
 
 
 def install(layout) -> None:
@@ -109,24 +106,282 @@ def install(layout) -> None:
     previous = sys.excepthook
 
     def hook(kind, value, tb):
-        mark_failed()
-        current = _state["layout"]
-        if current is not None and isinstance(value, BaseException):
-            note = peer_failure_note(current, value)
-            if note:
-                value.add_note(note)
+        if isinstance(value, BaseException):
+            shown = note_and_report(value)
+            if shown is not value:
+                kind, value, tb = type(shown), shown, shown.__traceback__
         previous(kind, value, tb)
 
     sys.excepthook = hook
-    # Registered after JAX's own exit handler, so it runs first.
-    atexit.register(_exit_without_barrier)
 
 
-def _exit_without_barrier() -> None:
-    if _state["failed"]:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream: nothing left to say
-                pass
-        os._exit(1)
+def note_and_report(error: BaseException) -> BaseException:
+    """This worker's program ended with ``error``: tell the other workers, unless ``error`` is
+    the failure of another worker reaching this one; then return the error naming that worker
+    (a collective that lost its peer becomes an ``errors.UnavailableError`` caused by it).
+
+    Args:
+        error: the exception that ended the program.
+
+    Returns:
+        The error to show: ``error``, or the one naming the worker that failed first.
+    """
+    layout = _state["layout"]
+    if layout is None:
+        return error
+    mark_failed()
+    ending = _state["ending"]
+    if ending is None and looks_like_peer_failure(error):
+        ending = _wait_for_peer_failure(layout)
+    if ending is None:
+        if isinstance(error, KeyboardInterrupt):
+            report(f"{layout.me} was interrupted (KeyboardInterrupt)")
+        else:
+            report(f"{layout.me} raised {describe(error)}")
+        return error
+    if isinstance(error, ending[0]) and str(error) == ending[1]:
+        return error
+    shown = ending[0](ending[1])
+    shown.__cause__ = error
+    return shown
+
+
+def looks_like_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective failing because a peer went away."""
+    text = f"{type(error).__name__} {error}".lower()
+    return any(mark in text for mark in _PEER_FAILURE_MARKS)
+
+
+def _wait_for_peer_failure(layout):
+    """A collective failed under this worker: find out which worker is gone, so that the error
+    can name it. A worker's own address stops answering as it dies (its presence socket; the
+    chief's address is its service helper's, so the chief is named by the watch, after the
+    heartbeat timeout); another worker may have recorded a failure; else the watch names the
+    dead one within the heartbeat timeout."""
+    deadline = time.monotonic() + heartbeat() + 3.0
+    with waiting():
+        while time.monotonic() < deadline:
+            found = _state["ending"] or reported()
+            if found is not None:
+                return found if isinstance(found, tuple) else (errors.UnavailableError, found)
+            gone = [t for i, t in enumerate(layout.tasks) if i not in (0, layout.process_id)
+                    and not address_answers(t.address, timeout=0.2)]
+            if gone:
+                text = (f"{', '.join(map(str, gone))} stopped (its address no longer answers: "
+                        f"killed, crashed, or its machine is gone)")
+                report(text)
+                return errors.UnavailableError, error_text(text, layout.me)
+            time.sleep(0.2)
+    return _state["ending"]
+
+
+def report(text: str) -> None:
+    """Record in the cluster's failure record that ``text`` happened (the first record stays).
+
+    Args:
+        text: who failed and how, e.g. ``"worker 1 (127.0.0.1:2222) raised ValueError: boom"``.
+    """
+    mark_failed()
+    client = _compat.distributed_client()
+    if client is None or _state["reported"]:
+        return
+    _state["reported"] = True
+    try:
+        client.key_value_set(FAILURE_KEY, json.dumps({"process": _me(), "text": text}))
+    except Exception:  # noqa: BLE001 - another worker's record came first, or the service is gone
+        pass
+
+
+def reported(client=None, timeout_ms: int = 0):
+    """The failure another worker recorded, as a message for this one; ``None`` if none.
+
+    Args:
+        client: the distributed client (default: this process's).
+        timeout_ms: how long to wait for a record (0: look once).
+
+    Returns:
+        The message, or ``None``.
+    """
+    client = client or _compat.distributed_client()
+    if client is None:
+        return None
+    try:
+        if timeout_ms:
+            text = client.blocking_key_value_get(FAILURE_KEY, timeout_ms)
+        else:
+            text = client.key_value_try_get(FAILURE_KEY)
+    except Exception:  # noqa: BLE001 - no record yet (NOT_FOUND, DEADLINE_EXCEEDED)
+        return None
+    record = json.loads(text)
+    if record["process"] == _me():
+        return None  # this worker's own failure: it is ending already
+    return record["text"]
+
+
+def ended(process: int) -> None:
+    """Say that ``process``'s program ended normally (this worker's own, at exit).
+
+    Args:
+        process: the process index.
+    """
+    client = _compat.distributed_client()
+    if client is not None:
+        try:
+            client.key_value_set(f"{ENDED_PREFIX}{process}", "1", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the service is gone: nobody left to tell
+            pass
+
+
+def has_ended(client, process: int) -> bool:
+    """Whether ``process`` said its program ended normally."""
+    try:
+        client.key_value_try_get(f"{ENDED_PREFIX}{process}")
+        return True
+    except Exception:  # noqa: BLE001 - NOT_FOUND
+        return False
+
+
+def joined():
+    """This worker's ``Layout`` while it is joined to a cluster of several workers, else None."""
+    return _state["layout"]
+
+
+def left() -> None:
+    """This worker left its cluster on purpose (``connect.leave``)."""
+    _state["layout"] = None
+
+
+def ending():
+    """``(error class, message)`` when this worker is ending because of another's failure."""
+    return _state["ending"]
+
+
+def check_not_ending() -> None:
+    """Raise the error this worker ends with, if another worker's failure ends it.
+
+    Raises:
+        errors.UnavailableError (or the error recorded): when it does.
+    """
+    found = _state["ending"]
+    if found is not None:
+        raise found[0](found[1])
+
+
+class waiting:
+    """Marks the main thread as inside one of jaxmirror's own waits, which raise
+    ``check_not_ending``'s error themselves (``end_for`` then does not raise into it)."""
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            _state["waiting"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        if threading.current_thread() is threading.main_thread():
+            _state["waiting"] -= 1
+
+
+def end_for(error_class, message: str) -> None:
+    """End this worker because the cluster broke (called by the watch thread).
+
+    The main thread gets ``error_class(message)`` raised into it (where it runs Python, or
+    when it next does; jaxmirror's own waits raise it themselves); if the process still runs
+    after a short grace (the main thread is blocked inside a collective, or caught the
+    error), the message is printed as the error and the process exits with code 1.
+
+    Args:
+        error_class: the exception class (``errors.UnavailableError``, ...).
+        message: what happened, naming the worker.
+    """
+    with _lock:
+        if _state["ending"] is not None:
+            return
+        _state["ending"] = (error_class, message)
+    mark_failed()
+    if not _state["waiting"]:
+        _raise_in_main_thread(error_class, message)
+    time.sleep(_END_GRACE_S)
+    exit_with(error_class, message)
+
+
+def fail_here(error_class, message: str) -> BaseException:
+    """This worker found the cluster broken (in one of jaxmirror's waits): record it for the
+    others and return the error to raise (this worker's own finding, even when another
+    worker's failure arrived meanwhile: both describe the same break).
+
+    Args:
+        error_class: the exception class.
+        message: what happened, naming the workers and the call.
+
+    Returns:
+        ``error_class(message)``.
+    """
+    with _lock:
+        if _state["ending"] is None:
+            _state["ending"] = (error_class, message)
+    report(message)
+    return error_class(message)
+
+
+def exit_with(error_class, message: str) -> None:
+    """Print ``error_class: message`` as Python prints an uncaught error, and exit with code 1
+    (without the shutdown barrier).
+
+    Args:
+        error_class: the exception class.
+        message: its message.
+    """
+    _write_and_exit(f"jaxmirror.errors.{error_class.__name__}: {message}\n")
+
+
+def _raise_in_main_thread(error_class, message: str) -> None:
+    # An exception raised in another thread can only be given as a class: one that carries
+    # the message, and shows as the public class.
+    raised = type(error_class.__name__, (error_class,),
+                  {"__init__": lambda self: error_class.__init__(self, message),
+                   "__module__": "jaxmirror.errors"})
+    ident = threading.main_thread().ident
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(raised))
+
+
+def _write_and_exit(text: str) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing left to say
+            pass
+    try:
+        os.write(2, text.encode("utf-8", "replace"))
+    except OSError:
+        pass
+    os._exit(1)
+
+
+def mark_failed() -> None:
+    """Record that this worker failed, so its exit skips the coordinated shutdown."""
+    _state["failed"] = True
+
+
+def set_heartbeat(seconds: float) -> None:
+    """How long the service takes to declare a silent worker dead (for ``note_and_report``)."""
+    _state["heartbeat_s"] = seconds
+
+
+def heartbeat() -> float:
+    """The heartbeat timeout this worker joined with (seconds)."""
+    return _state.get("heartbeat_s", 10)
+
+
+def _me():
+    layout = _state["layout"]
+    return None if layout is None else layout.process_id
+
+
+def failed() -> bool:
+    """Whether this worker failed (its program raised, or the cluster broke under it)."""
+    return _state["failed"]
+
+
+def exit_failed() -> None:
+    """Exit with code 1 at once, skipping the shutdown barrier (this worker failed)."""
+    _write_and_exit("")

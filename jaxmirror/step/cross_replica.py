@@ -26,6 +26,7 @@ from jaxmirror.core.reduce_op import ReduceOp, as_reduce_op
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import (GatheredPerReplica, Mirrored, PerReplica, host_counts,
                                    is_distributed)
+from jaxmirror.runtime import ledger
 from jaxmirror.step.step_sums import attached_reduction, reduced_from_sum, summand
 
 
@@ -159,7 +160,8 @@ def _partial(strategy, op: ReduceOp, x, axis):
     return ("done", n * v)
 
 
-def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None) -> list:
+def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None,
+                  method: str = "reduce") -> list:
     """Every leaf reduced across the replicas, the cross-replica sums by the strategy's
     ``cross_device_ops``: one program for all leaves outside a step, one all-reduce (per pack)
     inside a ``merge_fn``.
@@ -170,6 +172,7 @@ def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None) -> l
         leaves: distributed values, variables' views, arrays.
         axis: as ``Strategy.reduce``.
         options: ``CommunicationOptions`` for the sums, or ``None``.
+        method: the caller (``"reduce"``, ``"reduce_to"``...), for the workers' agreement.
 
     Returns:
         The reduced leaves.
@@ -193,6 +196,9 @@ def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None) -> l
             # over): a constant there, summed as such, not by a program of its own.
             sums = [x.sum(0) for x in parts]
         else:
+            if extended.placement.multi_process:  # a program that every worker must run
+                ledger.agree(_API_NAMES.get(method, method),
+                             f"{op.name} of {_shapes(parts, range(len(parts)))}")
             sums = ops.sum_components(parts, extended.placement, options)
         for i, total in zip(chosen, sums):
             out[i] = reduced_from_sum(op, total, plans[i][2], divide_first)
@@ -287,10 +293,23 @@ def reduce(strategy, reduce_op, value, axis, method: str = "reduce", options=Non
     leaves, tree = jax.tree.flatten(value, is_leaf=is_distributed)
     out = [attached_reduction(strategy, x, op) if attached else None for x in leaves]
     todo = [i for i, x in enumerate(out) if x is None]
-    for i, x in zip(todo, reduce_leaves(strategy, op, [leaves[i] for i in todo], axis, options)
-                    if todo else ()):
+    for i, x in zip(todo, reduce_leaves(strategy, op, [leaves[i] for i in todo], axis, options,
+                                        method) if todo else ()):
         out[i] = x
     return extended.placement.readable_everywhere(jax.tree.unflatten(tree, out))
+
+
+# The public spelling of each method that reduces, for the workers' agreement.
+_API_NAMES = {"reduce": "strategy.reduce", "reduce_to": "strategy.extended.reduce_to",
+              "batch_reduce_to": "strategy.extended.batch_reduce_to"}
+
+
+def _shapes(leaves, chosen) -> str:
+    """The chosen leaves' shapes and dtypes, as workers compare them."""
+    def one(x):
+        x = x.stacked if isinstance(x, PerReplica) else getattr(x, "value", x)
+        return f"{jnp.dtype(getattr(x, 'dtype', type(x))).name}{list(jnp.shape(x))}"
+    return "[" + ", ".join(one(leaves[i]) for i in chosen) + "]"
 
 
 def _single_component(strategy, x, method: str):
@@ -337,6 +356,9 @@ def gather(strategy, value, axis):
     """``Strategy.gather``: each leaf's components concatenated along ``axis``."""
     require_cross_replica(strategy, "gather")
     value = views(value)
+    if strategy.extended.placement.multi_process:
+        leaves = jax.tree.leaves(value, is_leaf=is_distributed)
+        ledger.agree("strategy.gather", f"axis {axis} of {_shapes(leaves, range(len(leaves)))}")
     if strategy.num_replicas_in_sync == 1:
         def leaf(x):
             v = jnp.asarray(_single_component(strategy, x, "gather"))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jaxmirror.core import _compat, binding, inflight
 from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
+from jaxmirror.runtime import ledger, watch
 from jaxmirror.step import captured_graphs, graphs, placing
 from jaxmirror.step.arguments import (check_arguments, check_not_donated, has_variables,
                                       take_variables)
@@ -36,7 +37,8 @@ from jaxmirror.step.call_rules import check_can_run, wants_arguments
 from jaxmirror.step.step_sums import (attach_sums, reducible_in_step, reductions_in_step,
                                       sum_paths)
 from jaxmirror.step.static_binding import StaticBinding
-from jaxmirror.step.trace import Traced, emit, local_key, run_op_by_op, trace_replica
+from jaxmirror.step.trace import (Traced, emit, fingerprint, local_key, run_op_by_op,
+                                  trace_replica)
 from jaxmirror.variables import state
 from jaxmirror.variables.creation import created_in
 from jaxmirror.variables.state import state_of
@@ -70,6 +72,9 @@ class Program:
         self._traced = {}  # per-replica input signature -> Traced
         self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended.placement.bound_in_flight
+        # Across processes: every call is recorded for the failure watch, and each compile's
+        # first run is agreed with the other workers (the same program, the same shapes).
+        self._watch = strategy.extended.placement.multi_process
         self._single = strategy.extended.placement.num_replicas == 1  # often done at return
         self._central = strategy.extended.placement.central  # see _central_call
         # Small per-replica results are summed in the program too, for strategy.reduce.
@@ -99,6 +104,17 @@ class Program:
         return self._fn_ref()
 
     def __call__(self, *args, **kwargs):
+        if not self._watch:
+            return self._call(*args, **kwargs)
+        # Across processes the failure watch sees a call from its start: with one device per
+        # process the CPU runtime runs it inside the dispatch, collectives and all.
+        watch.entering(self.__name__)
+        try:
+            return self._call(*args, **kwargs)
+        finally:
+            watch.left()
+
+    def _call(self, *args, **kwargs):
         check_can_run(self._strategy)
         if self._donate_argnums:
             check_not_donated(args, self._donate_argnums, self.__name__)
@@ -256,8 +272,12 @@ class Program:
     def _finish(self, out, token, sums):
         """The call was dispatched: it counts against the in-flight bound, and its small
         per-replica results get the sums it computed with them (``step_sums``)."""
-        if self._track:
-            inflight.track_array(token if token is not None else self._handle(out))
+        if self._track or self._watch:
+            handle = token if token is not None else self._handle(out)
+            if self._track:
+                inflight.track_array(handle)
+            if self._watch:
+                watch.dispatched(self.__name__, handle)
         if sums:
             attach_sums(out, sums, self._sum_paths, self._owner)
         return out
@@ -366,6 +386,8 @@ class Program:
         self._sum_paths = sum_paths(traced.out_tree, n_out, summed)
         # A step with no outputs still queues collectives: give the in-flight bound a handle.
         token = None if results else jnp.zeros((), jnp.int32)
+        if self._watch:  # before its first run: every worker compiled the same program
+            ledger.agree(f"step `{self.__name__}`", fingerprint(traced))
         return (jax.tree.unflatten(traced.out_tree, results), token,
                 dict(zip(traced.written, new_states)), tuple(sums))
 
@@ -413,7 +435,7 @@ class _VariableArguments(TypeError):
 
 # JAX takes variables as arrays elsewhere; a step must see them as variables, so its own jit
 # call refuses them and ``__call__`` passes their arrays instead (``_call_with_variable_args``).
-_compat.refuse_array_likes_in(Program.__call__.__code__, _VariableArguments,
+_compat.refuse_array_likes_in(Program._call.__code__, _VariableArguments,
                               until=Program._trace.__code__)
 
 

@@ -10,6 +10,7 @@ analysis chose: replicated outputs come back as plain arrays replicated over the
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import warnings
 from typing import NamedTuple
@@ -201,6 +202,22 @@ def _called(fn, args, kwargs):
             "closure; pass them as arguments of the step instead (`step(model, optimizer, "
             "batch)`): run then updates them after each call, as nnx.jit does."
         ) from err
+
+
+def fingerprint(traced: Traced) -> str:
+    """A traced step's per-replica input shapes and a digest of its program: what the workers
+    compare before a compiled step first runs across processes (``runtime/ledger.py``).
+
+    Args:
+        traced: the step traced for one replica.
+
+    Returns:
+        ``"inputs (float32[2, 3], ...), program <12 hex digits>"``.
+    """
+    jaxpr = traced.jaxpr
+    shapes = ", ".join(a.str_short() for a in jaxpr.in_avals) or "no inputs"
+    digest = hashlib.sha1(f"{jaxpr.jaxpr}|{jaxpr.out_avals}".encode()).hexdigest()[:12]
+    return f"inputs ({shapes}), program {digest}"
 
 
 def local_key(var) -> tuple:

@@ -16,7 +16,7 @@ from jaxmirror.cluster_resolver.base import ClusterResolver
 from jaxmirror.cluster_resolver.tf_config import TFConfigClusterResolver
 from jaxmirror.collectives.communication import CommunicationOptions
 from jaxmirror.core import devices as devices_lib
-from jaxmirror.runtime import cluster, connect
+from jaxmirror.runtime import cluster, connect, watch
 from jaxmirror.strategies.extended import StrategyExtended
 from jaxmirror.strategies.strategy import Strategy
 
@@ -80,7 +80,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             # route even its local collectives through gloo's TCP (measured: ~20x slower).
             layout = None
         if layout is not None:
-            connect.join(layout, timeout, _API)
+            limit = communication_options.timeout_seconds
+            connect.join(layout, timeout, _API, heartbeat=connect.heartbeat_for(limit))
+            watch.set_timeout(limit)
         self._cluster_resolver = cluster_resolver
         self._communication_options = communication_options
         self._timeout = timeout

@@ -7,6 +7,7 @@ does) are in ``jaxmirror.checkpoint``'s docstring; ``checkpoint_leaves`` handles
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -15,7 +16,9 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from jaxmirror.core import context
+from jaxmirror.runtime import ledger
 from jaxmirror.variables import checkpoint_files as files
+from jaxmirror.variables import checkpoint_workers as workers
 from jaxmirror.variables import checkpoint_leaves as leaves
 from jaxmirror.variables import state
 from jaxmirror.variables.handle import VariableHandle
@@ -82,6 +85,19 @@ def to_saveable(tree):
     return jax.tree_util.tree_map_with_path(leaves.saveable_leaf, tree, is_leaf=leaves.is_leaf)
 
 
+def _agreed_as(call: str):
+    """Every cross-worker call inside (reading sync-on-read variables, writing) is agreed
+    with the other workers as ``call`` (``runtime/ledger.py``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def agreed(*args, **kwargs):
+            with ledger.named(call):
+                return fn(*args, **kwargs)
+        return agreed
+    return wrap
+
+
+@_agreed_as("jaxmirror.checkpoint.save")
 def save(directory, tree, *, force=False):
     """Save ``tree`` (variables and arrays) as an orbax checkpoint in ``directory``.
 
@@ -94,8 +110,9 @@ def save(directory, tree, *, force=False):
     ``restore`` repair). A save killed at any point, SIGKILL included, leaves the previous
     checkpoint (or, once the new one is complete, possibly the new one) restorable, never a
     half-written one; a save that raises leaves the previous checkpoint as it was. The next
-    ``save`` deletes what killed saves left beside ``directory``. (In a multi-process JAX run,
-    orbax itself replaces the checkpoint, deleting the old one first: not atomic.)
+    ``save`` deletes what killed saves left beside ``directory``. In a multi-worker run every
+    worker calls ``save`` (each writes its part; only the chief touches the directory), and
+    the same holds when any worker is killed.
 
     Args:
         directory: where to write, a str or ``os.PathLike`` (made absolute); it must not exist,
@@ -142,18 +159,13 @@ def save(directory, tree, *, force=False):
                          f"{tree!r}); give a tree of variables or arrays.")
     ocp = _ocp()
     if not _one_process():
-        # Orbax coordinates the processes of a multi-process run writing one path; the siblings
-        # here are named per process, so there the replace stays orbax's own (not atomic).
-        _check_destination(path, force)
-        with ocp.PyTreeCheckpointer() as checkpointer:
-            checkpointer.save(path, args=ocp.args.PyTreeSave(saveable),
-                              force=os.path.lexists(path))
+        workers.save(ocp, path, saveable, force)
         return
     # A save killed between its two renames left `path` missing: put its checkpoint back before
     # deciding whether `path` may be written.
     files.recover(path)
     files.remove_leftovers(path)
-    _check_destination(path, force)
+    files.check_destination(path, force)
     new = files.sibling(path, "new")
     try:
         # PyTreeCheckpointer saves synchronously, into a temporary directory that it renames to
@@ -167,25 +179,6 @@ def save(directory, tree, *, force=False):
 
 def _one_process() -> bool:
     return jax.process_count() == 1
-
-
-def _check_destination(path: str, force: bool) -> None:
-    """Raises where ``save`` may not write ``path``."""
-    if not os.path.lexists(path):
-        return
-    if not os.path.isdir(path):
-        raise FileExistsError(f"jaxmirror.checkpoint.save: {path!r} exists and is not a "
-                              f"directory; give a new directory.")
-    if os.listdir(path):
-        if not files.is_checkpoint(path):
-            raise FileExistsError(
-                f"jaxmirror.checkpoint.save: directory {path!r} is not empty and holds no "
-                f"orbax checkpoint, so it is not replaced, even with force=True; give a new or "
-                f"empty directory.")
-        if not force:
-            raise FileExistsError(
-                f"jaxmirror.checkpoint.save: a checkpoint already exists in {path!r}; pass "
-                f"force=True to replace it, or give a new directory.")
 
 
 # -- restoring ------------------------------------------------------------------------------------
@@ -304,6 +297,7 @@ def _assign_all_or_nothing(writes) -> None:
             raise
 
 
+@_agreed_as("jaxmirror.checkpoint.restore")
 def restore(directory, target):
     """Restore the checkpoint in ``directory`` into ``target``; return the restored tree.
 
@@ -349,16 +343,10 @@ def restore(directory, target):
     """
     _check_not_in_run("restore")
     path = _as_directory(directory, "restore")
-    # A save killed between its two renames left no checkpoint at `path` but a complete one
-    # beside it: put that back, so that a killed save never costs the checkpoint.
-    files.recover(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"jaxmirror.checkpoint.restore: no checkpoint at {path!r} (the "
-                                f"directory does not exist).")
-    if not os.path.isdir(path) or not files.is_checkpoint(path):
-        raise ValueError(f"jaxmirror.checkpoint.restore: {path!r} is not an orbax checkpoint "
-                         f"directory (no {files.MARKERS[0]} file); give the directory "
-                         f"`save` wrote.")
+    if _one_process():
+        workers.prepare_restore(path)
+    else:  # the chief repairs and checks; every worker raises what it found, or reads
+        workers.agree_restore(path)
     target_pairs = jax.tree_util.tree_flatten_with_path(target, is_leaf=leaves.is_leaf)[0]
     for p, leaf in target_pairs:
         leaves.target_shape_dtype(p, leaf)

@@ -222,5 +222,25 @@ def replace(new: str, path: str) -> None:
     discard(path, old)
 
 
-__all__ = ["MARKERS", "abandon", "discard", "exchange", "is_checkpoint", "recover",
+def check_destination(path: str, force: bool) -> None:
+    """Raises ``FileExistsError`` where ``save`` may not write ``path`` (``force``: it may
+    replace a checkpoint there)."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise FileExistsError(f"jaxmirror.checkpoint.save: {path!r} exists and is not a "
+                              f"directory; give a new directory.")
+    if os.listdir(path):
+        if not is_checkpoint(path):
+            raise FileExistsError(
+                f"jaxmirror.checkpoint.save: directory {path!r} is not empty and holds no "
+                f"orbax checkpoint, so it is not replaced, even with force=True; give a new or "
+                f"empty directory.")
+        if not force:
+            raise FileExistsError(
+                f"jaxmirror.checkpoint.save: a checkpoint already exists in {path!r}; pass "
+                f"force=True to replace it, or give a new directory.")
+
+
+__all__ = ["MARKERS", "abandon", "check_destination", "discard", "exchange", "is_checkpoint", "recover",
            "remove_leftovers", "replace", "sibling"]
