@@ -47,16 +47,18 @@ class _SameEverywhere:
         return [value] * self._workers
 
 
-def _switch_off_agreement_and_watch():
+def _switch_off(agreement=True, failure_watch=True):
     """The ``off`` variants: no per-step agreement on the data, no failure watch (its thread
     stopped, the step's records of its calls skipped)."""
     from jaxmirror.data import datasets
     from jaxmirror.runtime import watch
 
-    datasets.StepExchange = _SameEverywhere
-    watch.stop()
-    for name in ("entering", "left", "dispatched"):
-        setattr(watch, name, lambda *args: None)
+    if agreement:
+        datasets.StepExchange = _SameEverywhere
+    if failure_watch:
+        watch.stop()
+        for name in ("entering", "left", "dispatched"):
+            setattr(watch, name, lambda *args: None)
 
 
 def worker(sizes, batch, steps, warmup, variant="as written"):
@@ -72,7 +74,7 @@ def worker(sizes, batch, steps, warmup, variant="as written"):
     options = jm.experimental.CommunicationOptions(timeout_seconds=120)
     strategy = jm.MultiWorkerMirroredStrategy(communication_options=options)
     if variant != "as written":
-        _switch_off_agreement_and_watch()
+        _switch_off(agreement=variant != "watch off", failure_watch=variant != "agreement off")
     rng = np.random.default_rng(0)
     data = [(rng.normal(size=(batch, sizes[0])).astype(np.float32),
              rng.integers(0, sizes[-1], size=batch).astype(np.int32))

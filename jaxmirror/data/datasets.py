@@ -26,7 +26,9 @@ from jaxmirror.data.prefetch import Inline, Prefetcher
 from jaxmirror.runtime import ledger
 from jaxmirror.runtime.exchange import StepExchange
 
-_END = object()
+END = object()  # what a source gives after its last batch
+_ROUND_STEPS = 16  # steps agreed across workers in one exchange, at most
+_ROUND_BYTES = 64 << 20  # of this worker's host batches read ahead for one exchange
 
 
 def _topology(strategy) -> batching.Topology:
@@ -95,6 +97,7 @@ class DistributedDataset:
         self._first = None  # (treedef, [(dtype, row shape)]) of the first batch
         self._rows = None  # the static batch size: the largest batch seen
         self._padded = None  # whether batches carry row counts (decided by the first batch)
+        self._batch_bytes = 0  # the first batch's host bytes (how far to read ahead)
 
     def __repr__(self) -> str:
         # The public name, not the implementing class (GlobalBatchDataset is internal).
@@ -111,6 +114,7 @@ class DistributedDataset:
         with self._lock:
             if self._first is None:
                 self._first = (tree, [(a.dtype, a.shape[1:]) for a in leaves])
+                self._batch_bytes = sum(a.nbytes for a in leaves)
             else:
                 batching.check_same_spec(leaves, tree, self._first, position, self._what)
             if self._rows is None or rows > self._rows:
@@ -120,8 +124,8 @@ class DistributedDataset:
     def _read_first(self, source):
         """``source`` with its first batch read and checked now (then put back in front)."""
         source = iter(source)
-        first = next(source, _END)
-        if first is _END:
+        first = next(source, END)
+        if first is END:
             return source
         self._check(first, 0)
         return itertools.chain([first], source)
@@ -219,6 +223,47 @@ class DistributedDataset:
             with self._lock:
                 if self._first is None:
                     self._first = (tree, [(np.dtype(d), tuple(shape)) for d, shape in specs])
+
+    def _in_rounds(self, rounds, read_one, info):
+        """This worker's items (``read_one()``, until it gives ``END``) agreed with the other
+        workers' in rounds: yields ``(item, [(info or None, replicas) per worker])`` per step,
+        the item ``None`` once this worker's data has ended; ends when every worker's has.
+
+        A round agrees on several steps at once (1, then twice as many each round, up to 16
+        and about 64 MB of this worker's batches read ahead): one exchange through the
+        coordination service costs about a millisecond, more than a small model's step.
+        """
+        ahead, ended, sent_spec = 1, False, False
+        while True:
+            items = []
+            while not ended and len(items) < ahead:
+                item = read_one()
+                if item is END:
+                    ended = True
+                else:
+                    items.append(item)
+            mine = {"steps": [info(i) for i in items], "replicas": len(self._topology.local),
+                    "spec": None}
+            if not sent_spec and self._first is not None:
+                mine["spec"], sent_spec = self._spec_text(), True
+            shared = rounds.share(mine)
+            if shared is None:
+                return  # closed
+            steps = max(len(s["steps"]) for s in shared)
+            if steps == 0:
+                return  # every worker's data has ended: the epoch ends everywhere
+            self._adopt_spec(shared)
+            self._agreed_size([i for s in shared for i in s["steps"]])
+            for k in range(steps):
+                yield (items[k] if k < len(items) else None,
+                       [(s["steps"][k] if k < len(s["steps"]) else None, s["replicas"])
+                        for s in shared])
+            ahead = min(2 * ahead, _ROUND_STEPS,
+                        max(1, _ROUND_BYTES // max(1, self._batch_bytes)))
+
+    def _agreed_size(self, infos) -> None:
+        """The static size after a round agreed on ``infos`` (every worker's steps)."""
+        raise NotImplementedError
 
     def _blank_blocks(self, size: int, replicas: int) -> list:
         """Zero-row blocks for this worker's replicas when its data has ended (only padding)."""
@@ -320,39 +365,37 @@ class GlobalBatchDataset(DistributedDataset):
         """``_split_all`` across workers that may read different data: every step the workers
         agree on each replica's real rows, the static size, and whether any worker still has
         a batch; one whose data has ended gets zero rows until every worker's has."""
-        topo, position = self._topology, 0
-        source = iter(source)
-        sent_spec = False
-        while True:
-            element = next(source, _END)
-            while element is not _END:
+        topo, source, position = self._topology, iter(source), 0
+
+        def read_one():
+            nonlocal position
+            for element in source:
                 leaves, tree, rows = self._check(element, position)
                 position += 1
                 if not (rows < self._rows and self._options.drop_remainder):
-                    break
-                element = next(source, _END)
-            mine = {"replicas": len(topo.local), "counts": None, "rows": 0, "spec": None}
-            if element is not _END:
-                sh = batching.share(rows, topo, self._off)
-                mine.update(counts=[sh.counts[i] for i in topo.local], rows=rows)
-            if not sent_spec and self._first is not None:
-                mine["spec"], sent_spec = self._spec_text(), True
-            shared = rounds.share(mine)
-            if shared is None or all(s["counts"] is None for s in shared):
-                return  # closed, or every worker's data has ended: the epoch ends everywhere
-            self._adopt_spec(shared)
-            with self._lock:
-                self._rows = max([self._rows or 0] + [s["rows"] for s in shared])
-            counts = tuple(c for s in shared for c in (s["counts"] or [0] * s["replicas"]))
+                    return leaves, tree, rows, batching.share(rows, topo, self._off)
+            return END
+
+        def info(item):
+            return {"counts": [item[3].counts[i] for i in topo.local], "rows": item[2]}
+
+        for item, steps in self._in_rounds(rounds, read_one, info):
+            counts = tuple(c for s, n in steps for c in (s["counts"] if s else [0] * n))
             size = batching.padded_size(self._rows, self._parts)
             padded = self._padding(any(c != size for c in counts))
-            if element is _END:
+            if item is None:  # this worker's data has ended: zero rows, padding only
                 yield HostBatch(self._first[0], self._blank_blocks(size, len(topo.local)),
                                 counts if padded else None)
                 continue
+            leaves, tree, _, sh = item
             index = batching.row_index(sh, size)
             blocks = [batching.local_block(a, sh, size, index) for a in leaves]
             yield HostBatch(tree, blocks, counts if padded else None)
+
+    def _agreed_size(self, infos) -> None:
+        """Every worker pads to the same size: the largest batch anywhere (this round's)."""
+        with self._lock:
+            self._rows = max([self._rows or 0] + [i["rows"] for i in infos])
 
     def _plan(self, rows):
         """How a batch of ``rows`` rows is split and padded (an epoch has few distinct sizes)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmirror.data import batching, sources
-from jaxmirror.data.datasets import DistributedDataset, peeked
+from jaxmirror.data.datasets import END, DistributedDataset, peeked
 from jaxmirror.data.options import InputContext, InputReplicationMode
 
 
@@ -73,41 +73,39 @@ class DistributedDatasetsFromFunction(DistributedDataset):
         else:
             (shared,) = iterators
             pulls = [lambda: next(shared, None)] * len(self._topology.local)
-        position, sent_spec = 0, False
-        while True:
-            elements = [pull() for pull in pulls]
-            checked = []
-            for element in elements:
-                if element is not None:
-                    leaves, _, rows = self._check(element, position)
-                    element = (leaves, rows)
-                    position += 1
-                checked.append(element)
-            counts = [0 if c is None else c[1] for c in checked]
-            if rounds is not None:
-                spec = None
-                if not sent_spec and self._first is not None:
-                    spec, sent_spec = self._spec_text(), True
-                counts = self._all_counts(rounds, counts, any(c is not None for c in checked),
-                                          spec)
-                if counts is None:
-                    return
-            elif all(e is None for e in elements):
-                return
+        position = 0
+
+        def read_one():
+            nonlocal position
+            while True:
+                elements = [pull() for pull in pulls]
+                if all(e is None for e in elements):
+                    return END
+                checked = []
+                for element in elements:
+                    if element is not None:
+                        leaves, _, rows = self._check(element, position)
+                        element = (leaves, rows)
+                        position += 1
+                    checked.append(element)
+                counts = [0 if c is None else c[1] for c in checked]
+                if not (self._options.drop_remainder and min(counts) < self._rows):
+                    return checked, counts
+
+        if rounds is None:
+            for item in iter(read_one, END):
+                yield self._stack(*item)
+            return
+        for item, steps in self._in_rounds(rounds, read_one, lambda item: item[1]):
+            counts = [c for s, n in steps for c in (s if s is not None else [0] * n)]
             if self._options.drop_remainder and min(counts) < self._rows:
                 continue
-            yield self._stack(checked, counts)
+            yield self._stack(item[0] if item else [None] * len(pulls), counts)
 
-    def _all_counts(self, rounds, local_counts, more: bool, spec):
-        """Every replica's rows this step (``None``: every worker's data has ended)."""
-        shared = rounds.share({"counts": local_counts, "more": more, "spec": spec})
-        if shared is None or not any(s["more"] for s in shared):
-            return None
-        self._adopt_spec(shared)
-        counts = [c for s in shared for c in s["counts"]]
-        with self._lock:  # every worker pads to the same size: the largest batch anywhere
-            self._rows = max(self._rows or 0, max(counts))
-        return counts
+    def _agreed_size(self, infos) -> None:
+        """Every worker pads to the same size: the largest batch anywhere (this round's)."""
+        with self._lock:
+            self._rows = max([self._rows or 0] + [c for counts in infos for c in counts])
 
     def _stack(self, checked, counts):
         tree = self._first[0]
