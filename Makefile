@@ -43,7 +43,7 @@ bench: install $(BENCH_STAMP)
 	$(PY) benchmarks/vs_tensorflow.py
 	$(PY) benchmarks/leaf_overhead.py
 	$(PY) benchmarks/memory.py
-	$(PY) benchmarks/multi_worker.py --rounds 2 --steps 20
+	$(PY) benchmarks/multi_worker.py --rounds 2 --steps 20 --overhead-rounds 3
 	$(PY) benchmarks/step_overhead.py --quick
 	$(PY) benchmarks/variables.py --quick
 	$(PY) benchmarks/input_pipeline.py --quick

@@ -76,7 +76,8 @@ def start(address: str, num_processes: int, heartbeat_s: int, shutdown_s: int,
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     env["PYTHONUNBUFFERED"] = "1"
     env["JAX_PLATFORMS"] = "cpu"  # it runs no computation: no GPU memory for it
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # its notices (recoverable tasks) are ours
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # its warnings (recoverable tasks) are ours, not users'
+
     command = [sys.executable, "-m", "jaxmirror.runtime.service_main", bind_address(address),
                str(num_processes), str(heartbeat_s), str(shutdown_s), str(linger_s)]
     # Its log goes where this process's does; stdout carries only READY.
