@@ -72,7 +72,8 @@ __all__ = [
     "ReplicaContext", "RunOptions", "Server", "Strategy", "StrategyExtended",
     "SyncOnReadVariable", "TPUStrategy", "Variable", "VariableAggregation",
     "VariableSynchronization", "assign_values", "checkpoint", "cluster_resolver",
-    "compute_average_loss", "configure_cpu_devices", "errors", "experimental", "experimental_set_strategy",
+    "compute_average_loss", "configure_cpu_devices", "errors", "experimental",
+    "experimental_set_strategy",
     "get_cross_replica_context", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context", "launch", "metrics", "nn", "read_values",
 ]

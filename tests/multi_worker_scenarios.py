@@ -368,3 +368,26 @@ def uneven(strategy, counts, source="dataset", fused=False):
     out["evaluation"] = float(strategy.reduce("SUM", strategy.run(
         lambda: ctx().all_reduce("SUM", ctx().replica_id_in_sync_group + 1.0)), axis=None))
     return out
+
+
+def placed_values(strategy):
+    """Values each worker gives differently (TF's habit: unseeded initial values), placed on
+    every worker's devices: TF broadcasts the chief's, and so does jaxmirror."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxmirror as jm
+
+    me = jax.process_index()
+    with strategy.scope():
+        differs = jm.Variable(np.full(3, float(me), np.float32))
+        same = jm.Variable(np.arange(3.0, dtype=np.float32))
+    replicated = strategy.experimental_replicate({"a": np.full(2, 10.0 + me, np.float32),
+                                                  "b": np.arange(2, dtype=np.int32)})
+    scalar = strategy.extended.placement.replicate(1.5 + me)  # a number: weakly typed, as JAX
+    total = strategy.run(lambda: jm.get_replica_context().all_reduce("SUM", differs.read_value()))
+    return {"differs": np.asarray(differs.read_value()), "same": np.asarray(same.read_value()),
+            "a": np.asarray(replicated["a"]), "b": np.asarray(replicated["b"]),
+            "scalar": float(scalar), "scalar_weak": bool(scalar.weak_type),
+            "scalar_times_bf16": str((scalar * jnp.ones(1, jnp.bfloat16)).dtype),
+            "total": np.asarray(total)}

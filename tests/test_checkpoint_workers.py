@@ -79,6 +79,7 @@ def test_a_worker_killed_in_a_save_leaves_a_checkpoint_that_restores(tmp_path, h
     assert f"worker {survivor} exited with code 1" in out, out[-5000:]
     assert re.search(rf"\[worker {survivor}\] jaxmirror\.errors\.UnavailableError: worker "
                      rf"{victim} \(127\.0\.0\.1:\d+\) stopped", out), out[-5000:]
+    assert "SIGABRT" not in out
     assert _one_version(_restored(tmp_path / "ck")) in versions
     # The next save cleans up what the killed one left beside the checkpoint.
     s = one_process(2)

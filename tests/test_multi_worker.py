@@ -169,3 +169,17 @@ def test_a_file_dataset_on_one_process_is_plain_global_batches(tmp_path):
     got = scenarios.file_sharded(one_process(4), _files(tmp_path), "FILE")
     assert [s.tolist() for s in got["steps"]] == [list(range(8)), list(range(8, 16))]
     assert got["totals"] == [28.0, 92.0]
+
+
+@pytest.mark.parametrize("workers,devices", LAYOUTS)
+def test_values_workers_give_differently_take_the_chiefs_as_tf(workers, devices):
+    # TF broadcasts a variable's initial value from the chief; a worker's own (an unseeded
+    # random initialization) would otherwise silently train different replicas.
+    for got in _launch("placed_values", workers, devices):
+        np.testing.assert_array_equal(got["differs"], np.zeros(3))
+        np.testing.assert_array_equal(got["same"], np.arange(3.0))
+        np.testing.assert_array_equal(got["a"], [10.0, 10.0])
+        assert got["b"].tolist() == [0, 1] and got["b"].dtype == np.int32
+        np.testing.assert_array_equal(got["total"], np.zeros(3))  # every replica holds 0s
+        assert got["scalar"] == 1.5  # the chief's number
+        assert got["scalar_weak"] and got["scalar_times_bf16"] == "bfloat16"  # as one process

@@ -226,9 +226,9 @@ RAISED = {"raise-in-step": "ValueError: this step cannot take 2 rows",
           "raise-before": "ValueError: bad configuration on this worker"}
 
 
-def _survivors_end_naming(run, failed, workers, what, within=30.0):
+def _survivors_end_naming(run, failed, workers, what, within=30.0, error="UnavailableError"):
     """Every worker but ``failed`` exits with code 1 (not stopped by the launcher, not
-    SIGABRT) printing an ``UnavailableError`` naming worker ``failed`` and ``what``."""
+    SIGABRT) printing ``error`` naming worker ``failed`` and ``what``."""
     assert "still running; stopping" not in run.text, run.text[-6000:]
     exits = run.exits()
     for w in range(workers):
@@ -236,33 +236,39 @@ def _survivors_end_naming(run, failed, workers, what, within=30.0):
             continue
         assert f"worker {w} exited with code 1" in exits, exits
         at, text = run.error_of(w)
-        assert text.startswith("jaxmirror.errors.UnavailableError: "), text
+        assert text.startswith(f"jaxmirror.errors.{error}: "), text
         assert f"worker {failed} (127.0.0.1:" in text and what in text, text
         assert f"this worker, worker {w} (127.0.0.1:" in text, text
+        assert "stops too; fix that, then restart every worker (from a checkpoint)." in text
         assert at - run.breaking_at() < within, (at - run.breaking_at(), text)
 
 
-@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("workers,devices", [(2, 1), (2, 2)])
 @pytest.mark.parametrize("mode", sorted(RAISED))
-def test_a_worker_that_raises_ends_the_others_naming_it(mode, devices):
-    run = Launched(mode, 2, devices)
+def test_a_worker_that_raises_ends_the_others_naming_it(mode, workers, devices):
+    run = Launched(mode, workers, devices)
     assert run.code == 1
     assert "worker 1 exited with code 1" in run.exits()
-    _survivors_end_naming(run, 1, 2, RAISED[mode])
+    _survivors_end_naming(run, 1, workers, RAISED[mode])
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_a_killed_worker_ends_the_others_naming_it(devices):
-    run = Launched("kill", 2, devices)
+def test_a_worker_that_raises_ends_three_others():
+    run = Launched("raise-between", 4, 1)
+    _survivors_end_naming(run, 1, 4, RAISED["raise-between"])
+
+
+@pytest.mark.parametrize("workers,devices", [(2, 1), (2, 2), (4, 1)])
+def test_a_killed_worker_ends_the_others_naming_it(workers, devices):
+    run = Launched("kill", workers, devices)
     assert "worker 1 was killed by SIGKILL" in run.exits()
-    _survivors_end_naming(run, 1, 2, "stopped")
+    _survivors_end_naming(run, 1, workers, "stopped")
 
 
 def test_a_killed_chief_ends_the_others_naming_it():
     # The coordination service runs beside the chief: its death is named like any other's.
     run = Launched("kill-chief", 2, 2)
     assert "worker 0 was killed by SIGKILL" in run.exits()
-    _survivors_end_naming(run, 0, 2, "stopped: the coordination service got no heartbeat")
+    _survivors_end_naming(run, 0, 2, "stopped (sent no sign of life for 15 s")
 
 
 @pytest.mark.parametrize("workers,devices", [(2, 2), (4, 1)])
@@ -274,10 +280,10 @@ def test_workers_running_different_programs_get_a_named_error(workers, devices):
         assert f"worker {w} exited with code 1" in exits, exits
     # Whoever compares with worker 1 first finds the difference; the others learn of it.
     found = [run.error_of(w) for w in range(workers)]
-    assert any(text.startswith("jaxmirror.errors.CollectiveMismatchError: ") for _, text in found)
     for at, text in found:
+        assert text.startswith("jaxmirror.errors.CollectiveMismatchError: step `step`: worker ")
         assert "runs a different step from worker" in text, text
-        assert "step `step` with inputs (float32[1]" in text
+        assert "with inputs (float32[1]" in text and ", program " in text
         assert at - run.breaking_at() < 30.0
     _, text = found[1]
     assert "worker 1 (127.0.0.1:" in text
@@ -295,21 +301,22 @@ def test_a_call_only_the_chief_makes_ends_every_worker_with_a_named_error(mode, 
     run = Launched(mode, workers, devices)
     assert run.code == 1
     at, text = run.error_of(0)
-    assert text.startswith("jaxmirror.errors.CollectiveMismatchError: worker 0 (127.0.0.1:")
-    assert f"called {CHIEF_ONLY[mode]}, but worker" in text
-    assert "which worker 0 (127.0.0.1:" in text or "ended its program" in text
-    assert "every worker must make them" in text and "should_checkpoint" in text
+    call = CHIEF_ONLY[mode].strip("`")
+    assert text.startswith(f"jaxmirror.errors.CollectiveMismatchError: {call}: "), text
+    assert (f"worker 0 (127.0.0.1:" in text and "never called there, so neither can go on"
+            in text) or "ended its program without making this call" in text, text
+    assert "make the call on every worker" in text and "should_checkpoint" in text
     assert at - run.breaking_at() < 30.0
-    _survivors_end_naming(run, 0, workers, CHIEF_ONLY[mode])
+    _survivors_end_naming(run, 0, workers, call, error="CollectiveMismatchError")
 
 
 def test_a_metric_read_on_the_chief_after_the_loop_names_the_workers_that_ended():
     run = Launched("chief-result-at-end", 2, 2)
     at, text = run.error_of(0)
-    assert text.startswith("jaxmirror.errors.CollectiveMismatchError: worker 0 (127.0.0.1:")
-    assert "called `Mean.result()`, but worker 1 (127.0.0.1:" in text
-    assert "ended its program without making that call" in text
-    _survivors_end_naming(run, 0, 2, "`Mean.result()`")
+    assert text.startswith("jaxmirror.errors.CollectiveMismatchError: Mean.result(): worker 1 "
+                           "(127.0.0.1:")
+    assert "ended its program without making this call, which worker 0 (127.0.0.1:" in text
+    _survivors_end_naming(run, 0, 2, "Mean.result()", error="CollectiveMismatchError")
 
 
 @pytest.mark.parametrize("devices", [1, 2])
@@ -317,11 +324,14 @@ def test_timeout_seconds_bounds_each_collective(devices):
     # Worker 1 is busy 60 s between steps; worker 0 waits in the next step for 5 s at most.
     run = Launched("busy", 2, devices, timeout=5)
     at, text = run.error_of(0)
-    assert text.startswith("jaxmirror.errors.DeadlineExceededError: worker 0 (127.0.0.1:")
-    assert "`step` (this worker's cross-worker call 4) did not finish within 5 s" in text
+    assert text.startswith("jaxmirror.errors.DeadlineExceededError: MultiWorkerMirroredStrategy: "
+                           "`step` (this worker's cross-worker call 4) on worker 0 (127.0.0.1:")
+    assert "did not finish within 5 s" in text
+    assert "worker 1 (127.0.0.1:" in text and "is not in it (busy, slow" in text  # the sleeper
     assert 5.0 < at - run.breaking_at() < 20.0
     _, text = run.error_of(1)  # raised into it when its sleep ends, or printed at exit
-    assert "did not finish within 5 s" in text
+    assert text.startswith("jaxmirror.errors.DeadlineExceededError: ")
+    assert "did not finish within 5 s" in text and "this worker, worker 1" in text
 
 
 def test_a_run_that_breaks_nothing_finishes_cleanly():

@@ -205,8 +205,17 @@ def start_coordination_service(bind_address: str, num_processes: int, heartbeat_
                                shutdown_s: int):
     """JAX's coordination service (what ``jax.distributed.initialize`` starts in process 0),
     started here on its own, with failed tasks recoverable: the service keeps serving the
-    others and reports the dead task as no longer live (``live_processes``) instead of ending
-    every client. Keep the returned object alive as long as the service should run."""
+    others instead of ending every client when one dies.
+
+    Args:
+        bind_address: where it listens (``[::]:port``).
+        num_processes: how many processes join.
+        heartbeat_s: seconds without heartbeats after which a process counts as dead.
+        shutdown_s: how long it waits for every process at shutdown.
+
+    Returns:
+        The service: keep it alive as long as it should run.
+    """
     return _jaxlib.get_distributed_runtime_service(
         bind_address, num_processes, heartbeat_timeout=heartbeat_s, shutdown_timeout=shutdown_s,
         recoverable=True)
@@ -226,7 +235,16 @@ def initialize_distributed(coordinator_address: str, num_processes: int, process
     """``jax.distributed.initialize`` for this process; with ``start_service=False`` process 0
     connects to a service already running (``start_coordination_service``) instead of starting
     its own (JAX 0.10 always starts it in process 0, so that process's death ends every other
-    one through the client's fatal error handler)."""
+    one through the client's fatal error handler).
+
+    Args:
+        coordinator_address: the service's ``host:port``.
+        num_processes: how many processes join.
+        process_id: this one's index.
+        heartbeat_s: the heartbeat timeout.
+        shutdown_s: how long shutting down waits for the others.
+        start_service: whether process 0 starts the service itself (JAX's way).
+    """
     kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                   process_id=process_id, cluster_detection_method="deactivate",
                   initialization_timeout=24 * 3600, heartbeat_timeout_seconds=heartbeat_s,
@@ -241,18 +259,73 @@ def initialize_distributed(coordinator_address: str, num_processes: int, process
         _distributed._jax = saved
 
 
-def live_processes(client, num_processes: int) -> set:
-    """The process ids the coordination service still counts as live (heartbeats arriving)."""
-    return set(client.get_live_nodes(list(range(num_processes))))
+# -- the coordination service's key-value store (what jax.distributed's client offers) --------
+def kv_set(client, key: str, value: str, overwrite: bool = False) -> None:
+    """Write ``value`` at ``key`` in the coordination service's store.
 
+    Args:
+        client: ``distributed_client()``.
+        key: the key.
+        value: a string.
+        overwrite: replace a value already there.
+
+    Raises:
+        Exception: JAX's runtime error when ``key`` exists and ``overwrite`` is False, or the
+            service does not answer.
+    """
+    client.key_value_set(key, value, allow_overwrite=overwrite)
+
+
+def kv_get(client, key: str, timeout_ms: int) -> str | None:
+    """The value at ``key``, waiting up to ``timeout_ms`` for it to be written.
+
+    Args:
+        client: ``distributed_client()``.
+        key: the key.
+        timeout_ms: how long to wait.
+
+    Returns:
+        The string, or ``None`` when it was not written in time (or the service did not
+        answer).
+    """
+    try:
+        return client.blocking_key_value_get(key, timeout_ms)
+    except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED, or the client is shut down
+        return None
+
+
+def kv_try_get(client, key: str) -> str | None:
+    """The value at ``key`` now.
+
+    Args:
+        client: ``distributed_client()``.
+        key: the key.
+
+    Returns:
+        The string, or ``None``.
+    """
+    try:
+        return client.key_value_try_get(key)
+    except Exception:  # noqa: BLE001 - NOT_FOUND
+        return None
+
+
+def kv_delete(client, key: str) -> None:
+    """Delete ``key`` (and the keys below it, as a directory).
+
+    Args:
+        client: ``distributed_client()``.
+        key: the key.
+    """
+    client.key_value_delete(key)
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec", "Primitive",
     "abstract_key", "backend_started", "current_trace", "distributed_client",
-    "distributed_coordinator_address",
-    "eval_jaxpr",
-    "forget_failed_effect_tokens", "initialize_distributed", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
-    "live_processes", "local_abstract_key", "make_mesh", "pbroadcast_p", "psum_invariant_p", "pvary_p",
-    "reduce_scatter_p", "refuse_array_likes_in", "register_array_like", "set_cpu_device_count",
-    "shard_map", "start_coordination_service", "trace_state_clean",
+    "distributed_coordinator_address", "eval_jaxpr", "forget_failed_effect_tokens",
+    "initialize_distributed", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
+    "kv_delete", "kv_get", "kv_set", "kv_try_get", "local_abstract_key", "make_mesh",
+    "pbroadcast_p", "psum_invariant_p", "pvary_p", "reduce_scatter_p", "refuse_array_likes_in",
+    "register_array_like", "set_cpu_device_count", "shard_map", "start_coordination_service",
+    "trace_state_clean",
 ]

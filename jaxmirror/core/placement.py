@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmirror.core import _compat, inflight
+from jaxmirror.core import _compat, across_processes, inflight
 from jaxmirror.core._compat import NamedSharding, P
 from jaxmirror.core.values import PerReplica
 
@@ -89,30 +89,14 @@ class Placement:
         return self._put(value, self.mirrored_sharding)
 
     def _put(self, value, sharding):
-        """``jax.device_put(value, sharding)``, also across processes. There ``device_put`` of
-        host data checks that every process gave the same value, a collective of its own that
-        would hang a worker calling it alone (and with one device per worker it refuses arrays
-        committed to this process's devices); as TF, each worker's own copy is taken as the
-        value instead, without communicating. Arrays spanning the workers are resharded by a
-        program."""
+        """``jax.device_put(value, sharding)``; across processes without ``device_put``'s own
+        check, which is a collective (``core/across_processes.py``)."""
         if not self.multi_process:
             return jax.device_put(value, sharding)
-
-        def leaf(x):
-            if _compat.is_tracer(x):
-                return jax.device_put(x, sharding)
-            if isinstance(x, jax.Array):
-                if x.sharding.is_equivalent_to(sharding, x.ndim):
-                    return x
-                if not x.is_fully_addressable:
-                    if sharding == self.replicated_sharding:
-                        return self._to_every_device(x)
-                    return jax.device_put(x, sharding)
-            host = np.asarray(x)
-            host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
-            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-        return jax.tree.map(leaf, value)
+        replicated = sharding == self.replicated_sharding
+        reshard = self._to_every_device if replicated else (
+            lambda x: jax.device_put(x, sharding))
+        return across_processes.put(value, sharding, replicated, reshard)
 
     def store(self, value, owned: bool = False):
         """``value`` where variables and mirrored parameters live (``storage_sharding``).

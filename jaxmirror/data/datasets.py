@@ -158,8 +158,8 @@ class DistributedDataset:
             threaded = several or any(d.platform != "cpu"
                                       for d in self._strategy.extended.devices)
         if threaded:
-            source = Prefetcher(self._epoch(rounds), self._options.experimental_per_replica_buffer_size,
-                                stop=stop)
+            source = Prefetcher(self._epoch(rounds),
+                                self._options.experimental_per_replica_buffer_size, stop=stop)
             return DistributedIterator(self._strategy, source, self)
         return self._inline_iterator(rounds)
 
@@ -242,8 +242,10 @@ class DistributedDataset:
                     ended = True
                 else:
                     items.append(item)
+            # The next round's length is agreed too: every worker reads as far ahead.
+            cap = _ROUND_BYTES // max(1, self._batch_bytes)
             mine = {"steps": [info(i) for i in items], "replicas": len(self._topology.local),
-                    "spec": None}
+                    "spec": None, "next": max(1, min(2 * ahead, _ROUND_STEPS, cap))}
             if not sent_spec and self._first is not None:
                 mine["spec"], sent_spec = self._spec_text(), True
             shared = rounds.share(mine)
@@ -258,8 +260,7 @@ class DistributedDataset:
                 yield (items[k] if k < len(items) else None,
                        [(s["steps"][k] if k < len(s["steps"]) else None, s["replicas"])
                         for s in shared])
-            ahead = min(2 * ahead, _ROUND_STEPS,
-                        max(1, _ROUND_BYTES // max(1, self._batch_bytes)))
+            ahead = min(s["next"] for s in shared)
 
     def _agreed_size(self, infos) -> None:
         """The static size after a round agreed on ``infos`` (every worker's steps)."""

@@ -15,6 +15,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 
 import cloudpickle
 
@@ -168,8 +169,8 @@ def run(fn, workers: int, devices_per_worker: int | None = None, args=(), kwargs
 
     When a worker fails, workers that joined a multi-worker cluster get 20 s (or ``grace``, if
     longer) to stop on their own (a joined worker ends itself with an error naming the failed
-    one); then the others get SIGINT, and SIGKILL ``grace`` seconds later; on ``timeout`` and on Ctrl-C (KeyboardInterrupt, re-raised) they
-    get SIGINT at once.
+    one); then the others get SIGINT, and SIGKILL ``grace`` seconds later; on ``timeout`` and
+    on Ctrl-C (KeyboardInterrupt, re-raised) they get SIGINT at once.
 
     Args:
         fn: the function each worker calls.
@@ -199,6 +200,7 @@ def run(fn, workers: int, devices_per_worker: int | None = None, args=(), kwargs
         ['0', '1']
     """
     _check(fn, workers, devices_per_worker, args, kwargs, timeout, grace, env)
+    started = time.monotonic()
     payload = _payload(fn, args, kwargs)
     envs = processes.worker_envs(workers, devices_per_worker, dict(env or {}))
     with tempfile.TemporaryDirectory(prefix="jaxmirror-launch-") as folder:
@@ -218,8 +220,11 @@ def run(fn, workers: int, devices_per_worker: int | None = None, args=(), kwargs
                     f"worker(s) {', '.join(map(str, e.running))} were still running and have "
                     "been stopped") from None
             if failed is not None and group.joined_a_cluster():
-                # The others end themselves, naming the failure.
-                group.settle(max(grace, processes.SETTLE_S))
+                # The others end themselves, naming the failure (within the run's own time).
+                settle = max(grace, processes.SETTLE_S)
+                if timeout is not None:
+                    settle = min(settle, max(0.0, started + timeout - time.monotonic()))
+                group.settle(settle)
         if failed is not None:
             raise _failure(group, failed, results[failed])
         values = []

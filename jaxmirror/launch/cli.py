@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from jaxmirror.launch import processes
 
@@ -106,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     ``JAXMIRROR_LAUNCH_WORKER_INDEX``, and prints their output prefixed with ``[worker i] ``.
     When a worker fails, workers that joined a multi-worker cluster get 20 s (or ``--grace``,
     if longer) to stop on their own (a joined worker ends itself, naming the failed one), then
-    SIGINT, and SIGKILL ``--grace`` seconds
-    later; on ``--timeout`` and on Ctrl-C they get SIGINT at once. A worker whose script fails exits at once, skipping ``atexit``
-    handlers (JAX's shutdown barrier would hold it until the others finish; see
-    ``jaxmirror.launch.script_main``).
+    SIGINT, and SIGKILL ``--grace`` seconds later; on ``--timeout`` and on Ctrl-C they get
+    SIGINT at once. A worker whose script fails exits at once, skipping ``atexit`` handlers
+    (JAX's shutdown barrier would hold it until the others finish; see
+    ``jaxmirror.launch.script_main``). After a failure it says how each worker ended.
 
     Args:
         argv: the arguments after ``python -m jaxmirror.launch`` (default ``sys.argv[1:]``).
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                *opts.args]
     envs = processes.worker_envs(opts.workers, opts.devices_per_worker)
     previous = _install(_raise_terminated)
+    started = time.monotonic()
     try:
         with processes.WorkerGroup([command] * opts.workers, envs, stdout=sys.stdout,
                                    stderr=sys.stderr, grace=opts.grace) as group:
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                           else "; stopping the other workers")
             group.log(f"worker {failed} {processes.describe_exit(code)}{others}")
             if others.startswith("; the others"):
+                if opts.timeout is not None:  # not past the run's own time
+                    settle = min(settle, max(0.0, started + opts.timeout - time.monotonic()))
                 running = group.settle(settle)
                 if running:
                     group.log(f"worker(s) {', '.join(map(str, running))} still running; "

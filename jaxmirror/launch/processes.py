@@ -272,7 +272,11 @@ class WorkerGroup:
     def joined_a_cluster(self) -> bool:
         """Whether the workers joined a multi-worker cluster: something listens at a worker's
         ``TF_CONFIG`` address (the coordination service, or a joined worker's presence socket).
-        Joined workers end themselves after another's failure, naming it (``settle``)."""
+        Joined workers end themselves after another's failure, naming it (``settle``).
+
+        Returns:
+            A bool.
+        """
         addresses = set()
         for env in self.envs:
             try:

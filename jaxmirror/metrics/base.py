@@ -40,12 +40,14 @@ def checked_dtype(api: str, dtype):
     return resolved
 
 
-def _named_result(result, call: str):
-    """``result`` whose reads are named ``call`` in the multi-worker ledger (``runtime/ledger``:
-    a result read on the chief only is then named in the error every worker gets)."""
+def _named_result(result):
+    """``result`` whose reads are named ``<metric class>.result()`` in the multi-worker ledger
+    (``runtime/ledger.py``: a result read on the chief only is named in every worker's error)."""
     @functools.wraps(result)
     def named_result(self, *args, **kwargs):
-        with ledger.named(call):
+        if not ledger.active():
+            return result(self, *args, **kwargs)
+        with ledger.named(f"{type(self).__name__}.result()"):
             return result(self, *args, **kwargs)
 
     return named_result
@@ -101,7 +103,7 @@ class Metric:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "result" in cls.__dict__:  # its reads agree across workers as this metric's result()
-            cls.result = _named_result(cls.__dict__["result"], f"{cls.__name__}.result()")
+            cls.result = _named_result(cls.__dict__["result"])
 
     def __init__(self, name=None, dtype=None):
         api = type(self).__name__

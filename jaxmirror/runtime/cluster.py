@@ -72,7 +72,8 @@ def layout(resolver, api: str) -> Layout | None:
 
     Raises:
         ValueError: when this task is not a chief or worker, its index is outside its job,
-            there is more than one chief, or an address is not ``host:port``.
+            there is more than one chief, an address is not ``host:port``, or two tasks share
+            one.
 
     Example:
         >>> from jaxmirror.cluster_resolver import ClusterSpec, SimpleClusterResolver
@@ -99,6 +100,13 @@ def layout(resolver, api: str) -> Layout | None:
             raise ValueError(f"{api}: the cluster has no 'chief' or 'worker' job (it has "
                              f"{sorted(spec)}); MultiWorkerMirroredStrategy runs on workers.")
         return None
+    seen = {}
+    for task in tasks:
+        if task.address in seen:
+            raise ValueError(f"{api}: {seen[task.address]} and {task} of the cluster have the same "
+                             f"address; give every task its own host:port in TF_CONFIG (or the "
+                             f"cluster resolver).")
+        seen[task.address] = task
     if len(spec.get("chief", [])) > 1:
         raise ValueError(f"{api}: the cluster has {len(spec['chief'])} chief tasks; TF allows "
                          f"at most one.")

@@ -16,7 +16,6 @@ cluster (``runtime/watch.py``) and reports its own failure (``runtime/failures.p
 from __future__ import annotations
 
 import atexit
-import os
 import socket
 import sys
 import threading
@@ -25,8 +24,8 @@ import time
 import jax
 
 from jaxmirror.cluster_resolver.cluster_spec import parse_address
-from jaxmirror.core import _compat
-from jaxmirror.runtime import failures, service, watch
+from jaxmirror.core import _compat, across_processes
+from jaxmirror.runtime import failures, ledger, service, watch
 
 DEFAULT_TIMEOUT = 300  # seconds, as jax.distributed's initialization_timeout
 # A worker silent this long is dead: failures are named within about this long, and a live
@@ -42,8 +41,18 @@ def joined():
 
 
 def heartbeat_for(timeout_seconds) -> int:
-    """The heartbeat timeout for a collective bound of ``timeout_seconds`` (``None``: none):
-    ``DEFAULT_HEARTBEAT``, or the bound when it is shorter (2 s at least)."""
+    """The heartbeat timeout for a collective bound of ``timeout_seconds``.
+
+    Args:
+        timeout_seconds: ``CommunicationOptions.timeout_seconds`` (``None``: no bound).
+
+    Returns:
+        ``DEFAULT_HEARTBEAT``, or the bound when it is shorter (2 s at least).
+
+    Example:
+        >>> heartbeat_for(None), heartbeat_for(4.5), heartbeat_for(1)
+        (10, 5, 2)
+    """
     if timeout_seconds is None:
         return DEFAULT_HEARTBEAT
     return max(2, min(DEFAULT_HEARTBEAT, int(timeout_seconds + 0.999)))
@@ -84,7 +93,7 @@ def join(layout, timeout: float, api: str, heartbeat: int = DEFAULT_HEARTBEAT) -
     deadline = time.monotonic() + timeout
     if layout.is_chief:
         service.start(layout.coordinator.address, layout.num_processes, heartbeat,
-                      SHUTDOWN_TIMEOUT, linger_s=heartbeat + 10.0)
+                      SHUTDOWN_TIMEOUT, linger_s=watch.silent_limit(heartbeat) + 15.0)
     else:
         _hold_presence(layout.me.address)
         _wait_for_coordinator(layout, deadline, timeout, api)
@@ -107,10 +116,19 @@ def _joined(layout, heartbeat: int) -> None:
     _state["layout"] = layout
     failures.set_heartbeat(heartbeat)
     failures.install(layout)
+    # Values placed on every worker's devices are agreed first (core/across_processes.py).
+    across_processes.agree_with(_agree_on_value)
+    if _state["presence"] is not None:  # the others may probe it (runtime/watch.py)
+        _compat.kv_set(_compat.distributed_client(), f"{watch.PRESENCE_PREFIX}"
+                       f"{layout.process_id}", "1", overwrite=True)
     watch.start(layout)
     if not _state["exit_registered"]:
         atexit.register(_at_exit)
         _state["exit_registered"] = True
+
+
+def _agree_on_value(description: str, digest: str) -> list:
+    return ledger.agree(description, payload=digest)
 
 
 def _at_exit() -> None:
@@ -121,31 +139,27 @@ def _at_exit() -> None:
 
 
 def _finish(layout) -> None:
-    """This worker's program ended: say so, wait (watching) until every worker's has, then
-    stop the watch: everyone may disconnect now, and the service go."""
+    """This worker's program ended: once its last programs have run, say so, wait (watching)
+    until every worker's has ended too, then stop the watch: everyone may disconnect now, and
+    the service go. A worker not ended ``SHUTDOWN_TIMEOUT`` seconds later is left behind (it
+    sees this one as ended, not dead)."""
+    watch.wait_for_dispatched()  # the others may still need this worker in them
     failures.ended(layout.process_id)
     client = _compat.distributed_client()
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT
     with failures.waiting():
         for process, task in enumerate(layout.tasks):
-            while process != layout.process_id and not _has_ended(client, process):
+            while (process != layout.process_id and time.monotonic() < deadline
+                   and _compat.kv_get(client, f"{failures.ENDED_PREFIX}{process}", 500) is None):
                 found = failures.ending()
                 if found is not None:
                     failures.exit_with(*found)
-                if time.monotonic() > deadline:
-                    print(f"jaxmirror: {task} has not ended its program {SHUTDOWN_TIMEOUT} s "
-                          f"after this worker, {layout.me}, ended its own; leaving without it.",
-                          file=sys.stderr, flush=True)
-                    os._exit(0)
+            if process != layout.process_id and time.monotonic() >= deadline:
+                print(f"jaxmirror: {task} has not ended its program {SHUTDOWN_TIMEOUT} s after "
+                      f"this worker, {layout.me}, ended its own; leaving without waiting more.",
+                      file=sys.stderr, flush=True)
+                break
     watch.stop()
-
-
-def _has_ended(client, process: int) -> bool:
-    try:
-        client.blocking_key_value_get(f"{failures.ENDED_PREFIX}{process}", 500)
-        return True
-    except Exception:  # noqa: BLE001 - not yet (DEADLINE_EXCEEDED)
-        return False
 
 
 def leave() -> None:
@@ -162,6 +176,7 @@ def leave() -> None:
     if presence is not None:
         presence.close()
     failures.left()
+    across_processes.agree_with(None)
     _state["layout"] = None
 
 
@@ -191,7 +206,9 @@ def _check_matches(layout, api: str) -> None:
 
 
 def _hold_presence(address: str) -> None:
-    """Listen at this task's own address; best effort (a busy port only loses the hint)."""
+    """Listen at this task's own address; best effort (a busy port only loses the hint). A
+    thread accepts and closes the other workers' probes (``runtime/watch.py``), so that they
+    never fill the queue of connections waiting."""
     if _state["presence"] is not None:
         return
     host, port = parse_address(address)
@@ -200,11 +217,22 @@ def _hold_presence(address: str) -> None:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("::" if family == socket.AF_INET6 else "", port))
-        sock.listen(64)
+        sock.listen(socket.SOMAXCONN)
     except OSError:
         sock.close()
         return
     _state["presence"] = sock
+    threading.Thread(target=_answer_probes, args=(sock,), name="jaxmirror-presence",
+                     daemon=True).start()
+
+
+def _answer_probes(sock) -> None:
+    while True:
+        try:
+            connection, _ = sock.accept()
+        except OSError:
+            return  # closed (leave)
+        connection.close()
 
 
 def _wait_for_coordinator(layout, deadline: float, timeout: float, api: str) -> None:

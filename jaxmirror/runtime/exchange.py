@@ -8,7 +8,8 @@ worker's step with another's evaluation. The facts go through ``jax.distributed`
 store (its coordination service), not through XLA collectives: a collective issued by a
 prefetch thread could interleave with the training step's in a different order on each worker.
 The waits are the ledger's (``runtime/ledger.py``): a failed, dead or finished worker, or
-``CommunicationOptions(timeout_seconds)``, ends them with an error naming it.
+``CommunicationOptions(timeout_seconds)``, ends them with an error naming it, raised to whoever
+takes the batch (an iterator nobody reads any more fails nobody).
 """
 
 from __future__ import annotations
@@ -66,18 +67,19 @@ class StepExchange:
         step = f"{self._prefix}/{self._round}"
         self._round += 1
         me = layout.process_id
-        client.key_value_set(f"{step}/{me}", json.dumps(value))
+        _compat.kv_set(client, f"{step}/{me}", json.dumps(value))
         values = []
         for worker in range(layout.num_processes):
             if worker == me:
                 values.append(value)
                 continue
+            # An error here goes to whoever takes the batch (the prefetch thread hands it on).
             text = ledger.wait_for_peer(client, f"{step}/{worker}", layout, worker,
-                                        f"next() on a distributed dataset ({self._what})",
-                                        cancelled=self._cancelled)
+                                        f"next() on a DistributedDataset from {self._what}",
+                                        cancelled=self._cancelled, record=False)
             if text is None:
                 return None
             values.append(json.loads(text))
         if self._round > 2:  # everyone has read the round before last: drop this worker's key
-            client.key_value_delete(f"{self._prefix}/{self._round - 3}/{me}")
+            _compat.kv_delete(client, f"{self._prefix}/{self._round - 3}/{me}")
         return values

@@ -1,12 +1,12 @@
 """What a worker does when the cluster breaks: tell the others, learn of theirs, end, never hang.
 
 Every joined worker shares one key of the coordination service's key-value store, the cluster's
-failure record: the first worker whose program ends with an exception writes there who it is
-and what it raised (``report``); every other worker learns of it within about a second
-(``runtime/watch.py`` waits on that key, and the waits of ``runtime/ledger.py`` and
-``runtime/exchange.py`` look at it too) and ends with an ``errors.UnavailableError`` naming that
-worker (``end_for``). A worker blocked in a collective cannot be interrupted from Python, so
-after a short grace it prints the same error and exits with code 1.
+failure record: the first worker whose program ends with an exception, or that finds the
+cluster broken, writes there who failed, how, and the error class (``report``); every other
+worker learns of it within about a second (``runtime/watch.py`` waits on that key, and the waits
+of ``runtime/ledger.py`` look at it too) and ends with that error, naming the worker
+(``end_for``). A worker blocked in a collective cannot be interrupted from Python, so after a
+short grace it prints the same error and exits with code 1.
 
 A worker whose program failed exits with code 1 without ``jax.distributed``'s shutdown barrier,
 which would wait for the others and then ``abort()``; one whose program ended normally says so
@@ -31,11 +31,14 @@ from jaxmirror.core import _compat, errors
 FAILURE_KEY = "jaxmirror/failure"
 ENDED_PREFIX = "jaxmirror/ended/"
 _END_GRACE_S = 2.0  # how long a main thread may take to raise before the process just exits
-# An error that says a collective lost its peers: gloo between CPU processes, NCCL, the service.
-_PEER_FAILURE_MARKS = ("gloo", "connection closed", "connection reset", "unavailable",
-                       "heartbeat", "deadline_exceeded", "socket closed", "nccl")
+# What a collective says when it lost its peers (gloo between CPU processes): only then does a
+# worker wait to learn which peer is gone before it reports its own error.
+_PEER_FAILURE_MARKS = ("gloo all-reduce failed", "gloo all-gather failed", "gloo ",
+                       "connection closed by peer", "connection reset by peer")
+_ERRORS = {cls.__name__: cls for cls in (errors.UnavailableError, errors.DeadlineExceededError,
+                                         errors.CollectiveMismatchError)}
 _state = {"layout": None, "failed": False, "installed": False, "ending": None, "reported": False,
-          "waiting": 0}
+          "waiting": 0, "heartbeat_s": 10}
 _lock = threading.Lock()
 
 
@@ -61,8 +64,21 @@ def address_answers(address: str, timeout: float = 0.5) -> bool:
 
 
 def error_text(message: str, me) -> str:
-    """Another worker's failure record as this worker's error message."""
-    return f"{message.rstrip('.')}; this worker, {me}, stops too."
+    """Another worker's failure record as this worker's error message.
+
+    Args:
+        message: the record's text (who failed, how).
+        me: this worker's ``Task``.
+
+    Returns:
+        The message, saying that this worker stops too and what to do.
+
+    Example:
+        >>> error_text("worker 1 (h:1) raised ValueError: boom.", "worker 0 (h:0)")[-67:]
+        'stops too; fix that, then restart every worker (from a checkpoint).'
+    """
+    return (f"{message.rstrip('.')}; this worker, {me}, stops too; fix that, then restart every "
+            f"worker (from a checkpoint).")
 
 
 def describe(error: BaseException) -> str:
@@ -94,7 +110,7 @@ def describe(error: BaseException) -> str:
 
 
 def install(layout) -> None:
-    """Watch this joined worker's exit (once per process).
+    """Watch this joined worker's uncaught errors (once per process).
 
     Args:
         layout: the cluster's ``Layout``.
@@ -130,6 +146,8 @@ def note_and_report(error: BaseException) -> BaseException:
     if layout is None:
         return error
     mark_failed()
+    if isinstance(error, tuple(_ERRORS.values())) and _state["reported"]:
+        return error  # found by this worker's own wait, and recorded there (fail_here)
     ending = _state["ending"]
     if ending is None and looks_like_peer_failure(error):
         ending = _wait_for_peer_failure(layout)
@@ -147,8 +165,19 @@ def note_and_report(error: BaseException) -> BaseException:
 
 
 def looks_like_peer_failure(error: BaseException) -> bool:
-    """Whether ``error`` is a collective failing because a peer went away."""
-    text = f"{type(error).__name__} {error}".lower()
+    """Whether ``error`` is a collective failing because a peer went away (gloo's words).
+
+    Args:
+        error: an exception.
+
+    Returns:
+        A bool.
+
+    Example:
+        >>> looks_like_peer_failure(ValueError("Gloo all-reduce failed: Connection closed by peer"))
+        True
+    """
+    text = str(error).lower()
     return any(mark in text for mark in _PEER_FAILURE_MARKS)
 
 
@@ -157,15 +186,15 @@ def _wait_for_peer_failure(layout):
     can name it. A worker's own address stops answering as it dies (its presence socket; the
     chief's address is its service helper's, so the chief is named by the watch, after the
     heartbeat timeout); another worker may have recorded a failure; else the watch names the
-    dead one within the heartbeat timeout."""
-    deadline = time.monotonic() + heartbeat() + 3.0
+    dead one."""
+    deadline = time.monotonic() + heartbeat() + 8.0  # the watch names a silent one by then
     with waiting():
         while time.monotonic() < deadline:
             found = _state["ending"] or reported()
             if found is not None:
-                return found if isinstance(found, tuple) else (errors.UnavailableError, found)
+                return found
             gone = [t for i, t in enumerate(layout.tasks) if i not in (0, layout.process_id)
-                    and not address_answers(t.address, timeout=0.2)]
+                    and not address_answers(t.address, timeout=0.5)]
             if gone:
                 text = (f"{', '.join(map(str, gone))} stopped (its address no longer answers: "
                         f"killed, crashed, or its machine is gone)")
@@ -175,47 +204,49 @@ def _wait_for_peer_failure(layout):
     return _state["ending"]
 
 
-def report(text: str) -> None:
+def report(text: str, error_class=errors.UnavailableError) -> None:
     """Record in the cluster's failure record that ``text`` happened (the first record stays).
 
     Args:
         text: who failed and how, e.g. ``"worker 1 (127.0.0.1:2222) raised ValueError: boom"``.
+        error_class: what the other workers raise: ``errors.UnavailableError`` (a worker
+            failed or is gone), ``DeadlineExceededError`` or ``CollectiveMismatchError``.
     """
     mark_failed()
     client = _compat.distributed_client()
     if client is None or _state["reported"]:
         return
     _state["reported"] = True
+    record = {"process": _me(), "text": text, "kind": error_class.__name__}
     try:
-        client.key_value_set(FAILURE_KEY, json.dumps({"process": _me(), "text": text}))
+        _compat.kv_set(client, FAILURE_KEY, json.dumps(record))
     except Exception:  # noqa: BLE001 - another worker's record came first, or the service is gone
         pass
 
 
 def reported(client=None, timeout_ms: int = 0):
-    """The failure another worker recorded, as a message for this one; ``None`` if none.
+    """The failure another worker recorded, as this worker's error.
 
     Args:
         client: the distributed client (default: this process's).
         timeout_ms: how long to wait for a record (0: look once).
 
     Returns:
-        The message, or ``None``.
+        ``(error class, message)``, or ``None`` (no record, or this worker's own).
     """
     client = client or _compat.distributed_client()
-    if client is None:
+    layout = _state["layout"]
+    if client is None or layout is None:
         return None
-    try:
-        if timeout_ms:
-            text = client.blocking_key_value_get(FAILURE_KEY, timeout_ms)
-        else:
-            text = client.key_value_try_get(FAILURE_KEY)
-    except Exception:  # noqa: BLE001 - no record yet (NOT_FOUND, DEADLINE_EXCEEDED)
+    text = (_compat.kv_get(client, FAILURE_KEY, timeout_ms) if timeout_ms
+            else _compat.kv_try_get(client, FAILURE_KEY))
+    if text is None:
         return None
     record = json.loads(text)
-    if record["process"] == _me():
+    if record["process"] == layout.process_id:
         return None  # this worker's own failure: it is ending already
-    return record["text"]
+    return (_ERRORS.get(record.get("kind"), errors.UnavailableError),
+            error_text(record["text"], layout.me))
 
 
 def ended(process: int) -> None:
@@ -227,18 +258,22 @@ def ended(process: int) -> None:
     client = _compat.distributed_client()
     if client is not None:
         try:
-            client.key_value_set(f"{ENDED_PREFIX}{process}", "1", allow_overwrite=True)
+            _compat.kv_set(client, f"{ENDED_PREFIX}{process}", "1", overwrite=True)
         except Exception:  # noqa: BLE001 - the service is gone: nobody left to tell
             pass
 
 
 def has_ended(client, process: int) -> bool:
-    """Whether ``process`` said its program ended normally."""
-    try:
-        client.key_value_try_get(f"{ENDED_PREFIX}{process}")
-        return True
-    except Exception:  # noqa: BLE001 - NOT_FOUND
-        return False
+    """Whether worker ``process`` said its program ended normally.
+
+    Args:
+        client: the distributed client.
+        process: the worker's process index.
+
+    Returns:
+        A bool.
+    """
+    return _compat.kv_try_get(client, f"{ENDED_PREFIX}{process}") is not None
 
 
 def joined():
@@ -252,17 +287,29 @@ def left() -> None:
 
 
 def ending():
-    """``(error class, message)`` when this worker is ending because of another's failure."""
+    """``(error class, message)`` when this worker is ending because the cluster broke."""
     return _state["ending"]
 
 
-def check_not_ending() -> None:
-    """Raise the error this worker ends with, if another worker's failure ends it.
+def check_not_ending(client=None) -> None:
+    """Raise the error this worker ends with, if the cluster broke (found by the watch, or in
+    the failure record now).
+
+    Args:
+        client: the distributed client, to look at the failure record too (else only what the
+            watch found).
 
     Raises:
-        errors.UnavailableError (or the error recorded): when it does.
+        errors.UnavailableError (or the error recorded): when it did.
     """
     found = _state["ending"]
+    if found is None and client is not None:
+        found = reported(client)
+        if found is not None:
+            with _lock:
+                if _state["ending"] is None:
+                    _state["ending"] = found
+            mark_failed()
     if found is not None:
         raise found[0](found[1])
 
@@ -319,7 +366,7 @@ def fail_here(error_class, message: str) -> BaseException:
     with _lock:
         if _state["ending"] is None:
             _state["ending"] = (error_class, message)
-    report(message)
+    report(message, error_class)
     return error_class(message)
 
 
@@ -363,13 +410,17 @@ def mark_failed() -> None:
 
 
 def set_heartbeat(seconds: float) -> None:
-    """How long the service takes to declare a silent worker dead (for ``note_and_report``)."""
+    """How long a silent worker takes to be declared dead (seconds).
+
+    Args:
+        seconds: the heartbeat timeout this worker joined with.
+    """
     _state["heartbeat_s"] = seconds
 
 
 def heartbeat() -> float:
     """The heartbeat timeout this worker joined with (seconds)."""
-    return _state.get("heartbeat_s", 10)
+    return _state["heartbeat_s"]
 
 
 def _me():

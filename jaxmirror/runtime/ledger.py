@@ -2,12 +2,13 @@
 
 A call that communicates between workers (the first run of a compiled step, an eager
 ``strategy.reduce``/``gather``, a metric's ``result()``, ``checkpoint.save``/``restore``, a new
-pass over a distributed dataset) must be made by every worker, in the same order, with the same
-shapes: XLA pairs the workers' collectives by order alone, so otherwise a worker's sum is
-silently paired with another call's, or the workers hang. Before such a call, each worker
-writes its n-th entry (``call``, ``detail``) to the coordination service's key-value store and
-reads the others' n-th (``agree``); only when they all match does the call go ahead. A
-difference raises ``errors.CollectiveMismatchError`` on every worker, naming both calls.
+pass over a distributed dataset, a value placed on every worker's devices) must be made by every
+worker, in the same order, with the same shapes: XLA pairs the workers' collectives by order
+alone, so otherwise a worker's sum is silently paired with another call's, or the workers hang.
+Before such a call, each worker writes its n-th entry (``call``, ``detail``) to the coordination
+service's key-value store and reads the others' n-th (``agree``); only when they all match does
+the call go ahead. A difference raises ``errors.CollectiveMismatchError`` on every worker,
+naming both calls.
 
 While it waits for a worker, ``agree`` looks every half second at whether that worker
 
@@ -42,6 +43,9 @@ _state = {"round": 0, "name": None}
 # What every worker must call the same way: for the messages.
 SAME_CALLS = ("steps, strategy.reduce/gather, metric results, checkpoint.save/restore and "
               "iterating a distributed dataset")
+_TODO = ("make the call on every worker, in the same order (TF requires it too); to print or "
+         "write on one worker, test `strategy.extended.should_checkpoint` around the print, not "
+         "the call")
 
 
 def active() -> bool:
@@ -70,7 +74,7 @@ def agree(call: str, detail: str = "", payload=None) -> list:
     """Agree with every worker that this is the call each makes next; their payloads.
 
     Args:
-        call: what is called, as the user wrote it (``"strategy.reduce"``, ``"step `f`"``).
+        call: what is called, as the user wrote it (``"strategy.reduce"``, ``"step train"``).
         detail: what must match too (shapes, a fingerprint); shown when it differs.
         payload: a JSON-serializable value to hand to the others.
 
@@ -85,40 +89,39 @@ def agree(call: str, detail: str = "", payload=None) -> list:
     layout = failures.joined()
     if layout is None:
         return [payload]
-    failures.check_not_ending()
+    client = _compat.distributed_client()
+    failures.check_not_ending(client)
     if _state["name"] is not None and _state["name"] != call:
         call, detail = _state["name"], f"{call} {detail}".strip()
     with failures.waiting():  # a failure found meanwhile is raised here, not into this code
-        entries = _entries(layout, call, detail, payload)
+        entries = _entries(client, layout, call, detail, payload)
     return [entries[p]["payload"] for p in range(layout.num_processes)]
 
 
-def _entries(layout, call: str, detail: str, payload) -> dict:
+def _entries(client, layout, call: str, detail: str, payload) -> dict:
     """Every worker's entry of this round, checked to match this worker's."""
-    client = _compat.distributed_client()
     number = _state["round"]
     _state["round"] += 1
-    mine = {"call": call, "detail": detail, "count": watch.dispatched_count(),
-            "payload": payload}
-    client.key_value_set(f"{PREFIX}{number}/{layout.process_id}", json.dumps(mine))
+    mine = {"call": call, "detail": detail, "payload": payload}
+    _compat.kv_set(client, f"{PREFIX}{number}/{layout.process_id}", json.dumps(mine))
     entries = {layout.process_id: mine}
     for process in range(layout.num_processes):
         if process != layout.process_id:
-            text = wait_for_peer(client, f"{PREFIX}{number}/{process}", layout, process,
-                                 f"`{call}`", deadlock=True)
+            text = wait_for_peer(client, f"{PREFIX}{number}/{process}", layout, process, call,
+                                 deadlock=True)
             entries[process] = json.loads(text)
     for process, theirs in entries.items():
         if (theirs["call"], theirs["detail"]) != (call, detail):
             raise failures.fail_here(errors.CollectiveMismatchError,
                                      _mismatch(layout, number, mine, process, theirs))
-    failures.check_not_ending()
+    failures.check_not_ending(client)
     if number >= 2:  # every worker has read round number - 2: drop this worker's entry
-        client.key_value_delete(f"{PREFIX}{number - 2}/{layout.process_id}")
+        _compat.kv_delete(client, f"{PREFIX}{number - 2}/{layout.process_id}")
     return entries
 
 
-def wait_for_peer(client, key: str, layout, process: int, what: str, deadlock: bool = False,
-                  cancelled=None):
+def wait_for_peer(client, key: str, layout, process: int, call: str, deadlock: bool = False,
+                  cancelled=None, record: bool = True):
     """The value worker ``process`` writes at ``key``, waited for in half-second slices that
     check the cluster between them (see the module's docstring).
 
@@ -127,14 +130,18 @@ def wait_for_peer(client, key: str, layout, process: int, what: str, deadlock: b
         key: the key the worker writes.
         layout: the cluster's ``Layout``.
         process: the worker waited for.
-        what: this worker's call, for messages (``"`strategy.reduce`"``).
+        call: this worker's call, for messages (``"strategy.reduce"``).
         deadlock: whether the worker's waiting in a program this one has not dispatched
             means neither can go on (the ledger's calls; not per-step exchanges, which run
             beside the steps).
         cancelled: a function returning True when the wait is no longer wanted.
+        record: whether an error found here goes into the cluster's failure record (the
+            ledger's, which every worker waits for); a prefetch thread's exchange raises its
+            errors to whoever takes the batch instead.
 
     Returns:
-        The value, or ``None`` when ``cancelled``.
+        The value, or ``None`` when ``cancelled`` (or when this worker left the cluster while a
+        cancellable wait ran).
 
     Raises:
         As ``agree``.
@@ -142,38 +149,44 @@ def wait_for_peer(client, key: str, layout, process: int, what: str, deadlock: b
     task = layout.tasks[process]
     limit = watch.timeout()
     start = time.monotonic()
+    shown = call if "`" in call else f"`{call}`"
+
+    def fail(error_class, message):
+        return failures.fail_here(error_class, message) if record else error_class(message)
+
     with failures.waiting():
         while True:
-            try:
-                return client.blocking_key_value_get(key, _SLICE_MS)
-            except Exception:  # noqa: BLE001 - not there yet (DEADLINE_EXCEEDED)
-                pass
-            failures.check_not_ending()
+            value = _compat.kv_get(client, key, _SLICE_MS)
+            if value is not None:
+                return value
+            failures.check_not_ending(client)
             if cancelled is not None and cancelled():
                 return None
+            if _compat.distributed_client() is not client:  # left the cluster meanwhile
+                if cancelled is not None:
+                    return None
+                raise RuntimeError(f"{call}: this worker, {layout.me}, left the cluster "
+                                   f"(experimental_finalize) while it waited for {task}; make "
+                                   f"every call between workers before leaving.")
             if failures.has_ended(client, process):
-                raise failures.fail_here(errors.CollectiveMismatchError, (
-                    f"{layout.me} called {what}, but {task} ended its program without making "
-                    f"that call: {SAME_CALLS} communicate between workers, so every worker "
-                    f"must make them, in the same order (TF requires it too). Make the call on "
-                    f"every worker; to print or write on one, test "
-                    f"`strategy.extended.should_checkpoint` around the print, not the call."))
+                raise fail(errors.CollectiveMismatchError, (
+                    f"{call}: {task} ended its program without making this call, which "
+                    f"{layout.me} made ({shown}): {SAME_CALLS} communicate between workers; "
+                    f"{_TODO}."))
             if deadlock:
                 activity = watch.peer_activity(client, process)
                 if activity is not None and activity[0] > watch.dispatched_count():
-                    raise failures.fail_here(errors.CollectiveMismatchError, (
-                        f"{layout.me} called {what}, but {task} is running `{activity[1]}` (its "
-                        f"cross-worker call {activity[0]}), which {layout.me} never called: "
-                        f"neither can go on. {SAME_CALLS.capitalize()} communicate between "
-                        f"workers, so every worker must make them, in the same order (TF "
-                        f"requires it too). Make the call on every worker; to print or write on "
-                        f"one, test `strategy.extended.should_checkpoint` around the print, "
-                        f"not the call."))
+                    raise fail(errors.CollectiveMismatchError, (
+                        f"{call}: {layout.me} made this call ({shown}), but {task} is running "
+                        f"`{activity[1]}` (its cross-worker call {activity[0]}), which "
+                        f"{layout.me} never called there, so neither can go on: {SAME_CALLS} "
+                        f"communicate between workers; {_TODO}."))
             if limit is not None and time.monotonic() - start > limit:
-                raise failures.fail_here(errors.DeadlineExceededError, (
-                    f"{layout.me} called {what} and waited {limit:g} s "
-                    f"(CommunicationOptions(timeout_seconds={limit:g})) for {task} to make the "
-                    f"same call; it is slow, stuck, or does not make that call."))
+                raise fail(errors.DeadlineExceededError, (
+                    f"{call}: {layout.me} waited {limit:g} s "
+                    f"(CommunicationOptions(timeout_seconds={limit:g})) for {task} to make this "
+                    f"call ({shown}); it is slow, stuck, or does not make that call: make it on "
+                    f"every worker, or raise timeout_seconds."))
 
 
 def _ordinal(n: int) -> str:
@@ -184,16 +197,14 @@ def _ordinal(n: int) -> str:
 def _mismatch(layout, number: int, mine: dict, process: int, theirs: dict) -> str:
     task = layout.tasks[process]
     if theirs["call"] == mine["call"] and mine["call"].startswith("step "):
-        return (f"{task} runs a different step from {layout.me}: {theirs['call']} with "
-                f"{theirs['detail']} on {task}, {mine['call']} with {mine['detail']} on "
-                f"{layout.me}. Every worker must run the same program with the same input "
-                f"shapes; a sum across workers would otherwise be paired with another "
-                f"program's (TF requires it too).")
+        return (f"{mine['call']}: {task} runs a different step from {layout.me}: with "
+                f"{theirs['detail']} on {task}, with {mine['detail']} on {layout.me}; every "
+                f"worker must run the same program with the same input shapes (TF requires it "
+                f"too), or a sum across workers is paired with another program's: give every "
+                f"worker the same step and batch shapes.")
     there = f"{theirs['call']}" + (f" ({theirs['detail']})" if theirs["detail"] else "")
     here = f"{mine['call']}" + (f" ({mine['detail']})" if mine["detail"] else "")
-    return (f"{layout.me} made `{here}` as its {_ordinal(number + 1)} call that communicates "
-            f"between workers, but {task} made `{there}` there. {SAME_CALLS.capitalize()} "
-            f"communicate between workers, so every worker must make them, in the same order "
-            f"and with the same shapes (TF requires it too). Make the call on every worker; to "
-            f"print or write on one, test `strategy.extended.should_checkpoint` around the "
-            f"print, not the call.")
+    return (f"{mine['call']}: {layout.me} made `{here}` as its {_ordinal(number + 1)} call "
+            f"that communicates between workers, but {task} made `{there}` there: "
+            f"{SAME_CALLS} communicate between workers, so every worker must make them with "
+            f"the same shapes; {_TODO}.")

@@ -21,6 +21,7 @@ SHUTDOWN_S LINGER_S``; it prints ``ready`` once it serves.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -84,16 +85,19 @@ def start(address: str, num_processes: int, heartbeat_s: int, shutdown_s: int,
     helper = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
-        line = helper.stdout.readline().decode("utf-8", "replace")
+        readable, _, _ = select.select([helper.stdout], [], [], deadline - time.monotonic())
+        line = helper.stdout.readline().decode("utf-8", "replace") if readable else ""
         if not line:
-            break  # it exited
+            break  # it exited, or never said it serves
         if line.strip() == READY:
             _state["helper"] = helper
             return
     helper.kill()
     helper.wait()
-    raise RuntimeError(f"the coordination service for {num_processes} processes could not "
-                       f"start at {address} (its error is above, in this worker's output).")
+    raise RuntimeError(f"MultiWorkerMirroredStrategy: the coordination service for "
+                       f"{num_processes} processes could not start at {address} within "
+                       f"{_START_TIMEOUT_S:g} s (its error is above, in this worker's output); "
+                       f"free that port, or give the chief another address in TF_CONFIG.")
 
 
 def stop() -> None:
@@ -110,7 +114,11 @@ def stop() -> None:
 
 
 def main(argv: list) -> None:
-    """The helper's body (see the module's docstring)."""
+    """The helper's body (see the module's docstring).
+
+    Args:
+        argv: ``[bind address, processes, heartbeat s, shutdown s, linger s]``.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     bind, num, heartbeat, shutdown, linger = argv
     # Held until the process exits: the object is the service.

@@ -12,8 +12,8 @@ and stores under ``variables.state.lock``. ``Step`` is what users hold: it keeps
 alive, the program does not (``program_cache``).
 
 Variables reached by closure are found by the first trace and passed in from then on; variables
-passed as arguments are swapped for their arrays. The user's function is never traced a second
-time for the same per-replica signature.
+passed as arguments are swapped for their arrays. The user's function is traced once per
+per-replica signature.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ class Program:
         self._traced = {}  # per-replica input signature -> Traced
         self._handle_path = ()  # getters from the output to its smallest array (last trace)
         self._track = strategy.extended.placement.bound_in_flight
-        # Across processes: every call is recorded for the failure watch, and each compile's
-        # first run is agreed with the other workers (the same program, the same shapes).
+        # Across processes: each compile's first run is agreed with the other workers.
         self._watch = strategy.extended.placement.multi_process
         self._single = strategy.extended.placement.num_replicas == 1  # often done at return
         self._central = strategy.extended.placement.central  # see _central_call
@@ -103,18 +102,12 @@ class Program:
         """The user's per-replica function (``None`` once nothing else holds it)."""
         return self._fn_ref()
 
-    def __call__(self, *args, **kwargs):
-        if not self._watch:
-            return self._call(*args, **kwargs)
-        # Across processes the failure watch sees a call from its start: with one device per
-        # process the CPU runtime runs it inside the dispatch, collectives and all.
-        watch.entering(self.__name__)
-        try:
-            return self._call(*args, **kwargs)
-        finally:
-            watch.left()
+    def __new__(cls, strategy, *args, **kwargs):
+        if cls is Program and strategy.extended.placement.multi_process:
+            cls = _WatchedProgram  # one process keeps the plain hot path
+        return super().__new__(cls)
 
-    def _call(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         check_can_run(self._strategy)
         if self._donate_argnums:
             check_not_donated(args, self._donate_argnums, self.__name__)
@@ -326,8 +319,7 @@ class Program:
         return RuntimeError(
             f"{self.__name__}: a step that uses jaxmirror Variables cannot be called inside "
             f"jax.jit, jax.grad or lax.scan (its assignments would be lost); call it directly, "
-            f"or pass arrays instead of variables."
-        )
+            f"or pass arrays instead of variables.")
 
     def _handle(self, out):
         """One output array of this call, found without flattening ``out`` (on the hot path)."""
@@ -344,6 +336,8 @@ class Program:
 
     # -- trace time only -------------------------------------------------------------------
     def _trace(self, bound, captured_states, *args, **kwargs):
+        if self._watch:
+            watch.tracing(self.__name__)  # tracing and compiling: not waiting for the others
         # Called with concrete arrays, not traced: jax_debug_nans/infs saw a NaN or inf in the
         # outputs and calls the function un-jitted to find the operation that made it.
         op_by_op = _compat.trace_state_clean()
@@ -388,6 +382,7 @@ class Program:
         token = None if results else jnp.zeros((), jnp.int32)
         if self._watch:  # before its first run: every worker compiled the same program
             ledger.agree(f"step `{self.__name__}`", fingerprint(traced))
+            watch.tracing(None)
         return (jax.tree.unflatten(traced.out_tree, results), token,
                 dict(zip(traced.written, new_states)), tuple(sums))
 
@@ -429,17 +424,27 @@ class Program:
         return traced
 
 
+class _WatchedProgram(Program):
+    """A program across processes: the failure watch sees each call (``runtime/watch.py``)."""
+
+    def __call__(self, *args, **kwargs):
+        watch.entering(self.__name__)
+        try:
+            return Program.__call__(self, *args, **kwargs)
+        finally:
+            watch.left()
+
+
 class _VariableArguments(TypeError):
     """Raised by ``jax.jit`` in ``Program.__call__`` for variable arguments (see ``_compat``)."""
 
 
 # JAX takes variables as arrays elsewhere; a step must see them as variables, so its own jit
 # call refuses them and ``__call__`` passes their arrays instead (``_call_with_variable_args``).
-_compat.refuse_array_likes_in(Program._call.__code__, _VariableArguments,
+_compat.refuse_array_likes_in(Program.__call__.__code__, _VariableArguments,
                               until=Program._trace.__code__)
 
 
 def _graph_step(fn_ref, key, nnx_objects, others):
-    """The per-replica function of a step given NNX objects (``graphs``); the parameter names
-    name the arguments in warnings."""
+    """A step given NNX objects (``graphs``); its parameter names name the arguments in warnings."""
     return graphs.merged_call(fn_ref(), key, nnx_objects, others)

@@ -223,8 +223,16 @@ def replace(new: str, path: str) -> None:
 
 
 def check_destination(path: str, force: bool) -> None:
-    """Raises ``FileExistsError`` where ``save`` may not write ``path`` (``force``: it may
-    replace a checkpoint there)."""
+    """Raises where ``save`` may not write ``path``.
+
+    Args:
+        path: the destination.
+        force: whether a checkpoint there may be replaced.
+
+    Raises:
+        FileExistsError: ``path`` is a file, a non-empty directory without a checkpoint, or a
+            checkpoint and ``force`` is False.
+    """
     if not os.path.lexists(path):
         return
     if not os.path.isdir(path):
@@ -242,5 +250,5 @@ def check_destination(path: str, force: bool) -> None:
                 f"force=True to replace it, or give a new directory.")
 
 
-__all__ = ["MARKERS", "abandon", "check_destination", "discard", "exchange", "is_checkpoint", "recover",
-           "remove_leftovers", "replace", "sibling"]
+__all__ = ["MARKERS", "abandon", "check_destination", "discard", "exchange", "is_checkpoint",
+           "recover", "remove_leftovers", "replace", "sibling"]

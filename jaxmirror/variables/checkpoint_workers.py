@@ -25,7 +25,17 @@ def save(ocp, path: str, saveable, force: bool) -> None:
     the new checkpoint goes (after repairing and cleaning up what killed saves left), every
     worker writes its part there with orbax, the chief swaps it in, and no worker returns
     before the swap. A worker killed at any point leaves the previous checkpoint in place
-    (the others then stop, naming it: ``runtime/watch.py``)."""
+    (the others then stop, naming it: ``runtime/watch.py``).
+
+    Args:
+        ocp: the ``orbax.checkpoint`` module.
+        path: the absolute destination.
+        saveable: the tree to save (``checkpoint.to_saveable``'s).
+        force: replace a checkpoint already there.
+
+    Raises:
+        FileExistsError: as ``checkpoint.save``, on every worker.
+    """
     chief = jax.process_index() == 0
     decision = decided_by_chief(chief, lambda: _prepare_save(path, force))
     shapes = [f"{np.dtype(x.dtype).name}{list(np.shape(x))}" for x in jax.tree.leaves(saveable)]
@@ -91,7 +101,17 @@ def raise_decided(decision: dict) -> None:
 
 def prepare_restore(path: str) -> dict:
     """Check that ``path`` holds a checkpoint, after putting back one a killed save left beside
-    it (a save killed between its two renames), so that a killed save never costs it."""
+    it (a save killed between its two renames), so that a killed save never costs it.
+
+    Args:
+        path: the checkpoint directory.
+
+    Returns:
+        ``{}`` (the chief's decision: go ahead).
+
+    Raises:
+        FileNotFoundError, ValueError: no checkpoint there.
+    """
     files.recover(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"jaxmirror.checkpoint.restore: no checkpoint at {path!r} (the "

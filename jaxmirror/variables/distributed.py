@@ -192,8 +192,8 @@ class SyncOnReadVariable(_DistributedVariable, synchronization=Sync.ON_READ):
     def _eager_read(self):
         agg = self._cross_op()
         if self._placement.multi_process:  # the aggregate is a sum across the workers
-            ledger.agree("SyncOnReadVariable.read_value", f"{self._name!r} {jnp.dtype(self._dtype).name}"
-                                                           f"{list(self._shape)}")
+            ledger.agree("SyncOnReadVariable.read_value",
+                         f"{self._name!r} {jnp.dtype(self._dtype).name}{list(self._shape)}")
         stacked = self._state.stacked if self.stored_per_replica else self._state[None]
         placement = self._placement
         if agg is Agg.ONLY_FIRST_REPLICA:
