@@ -158,6 +158,7 @@ def test_a_worker_killed_mid_training_makes_the_other_exit_with_an_error(start):
     (_config({"worker": ["127.0.0.1"]}, "worker", 0), "host:port"),
     (_config({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}, "ps", 0),
      "only 'chief' and 'worker' tasks"),
+    (_config({"worker": ["localhost:2222", "localhost:2222"]}, "worker", 0), "the same address"),
     (_config({"chief": ["127.0.0.1:1", "127.0.0.1:3"], "worker": ["127.0.0.1:2"]}, "worker", 0),
      "chief"),
 ])
@@ -303,7 +304,7 @@ def test_a_call_only_the_chief_makes_ends_every_worker_with_a_named_error(mode, 
     at, text = run.error_of(0)
     call = CHIEF_ONLY[mode].strip("`")
     assert text.startswith(f"jaxmirror.errors.CollectiveMismatchError: {call}: "), text
-    assert (f"worker 0 (127.0.0.1:" in text and "never called there, so neither can go on"
+    assert ("worker 0 (127.0.0.1:" in text and "never called there, so neither can go on"
             in text) or "ended its program without making this call" in text, text
     assert "make the call on every worker" in text and "should_checkpoint" in text
     assert at - run.breaking_at() < 30.0
