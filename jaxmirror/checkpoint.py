@@ -10,7 +10,9 @@ assigned as a cross-replica ``assign`` does it: every component of a mirrored va
 value, a SUM sync-on-read variable gets ``value / N`` in each of its ``N`` components (so its read
 gives the value back), other sync-on-read variables get the value in each component.
 
-``save`` and ``restore`` read and write a directory. With your own
+``save`` and ``restore`` read and write a directory. ``CheckpointManager`` (TF's
+``tf.train.CheckpointManager``) keeps the last few checkpoints of a tree in numbered directories
+and restores the latest, on one worker or several, whenever a save was killed. With your own
 ``orbax.checkpoint.CheckpointManager``, hand it ``to_saveable(tree)`` and apply what it restores
 with ``restore_into(target, restored)``.
 
@@ -31,5 +33,6 @@ Example:
 """
 
 from jaxmirror.variables.checkpoint import restore, restore_into, save, to_saveable
+from jaxmirror.variables.checkpoint_manager import CheckpointManager
 
-__all__ = ["restore", "restore_into", "save", "to_saveable"]
+__all__ = ["CheckpointManager", "restore", "restore_into", "save", "to_saveable"]

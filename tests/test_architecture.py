@@ -41,12 +41,14 @@ def test_public_names_are_pinned():
     assert sorted(jm.experimental.__all__) == [
         "AutoShardPolicy", "CentralStorageStrategy", "CommunicationImplementation",
         "CommunicationOptions", "FileDataset", "MultiWorkerMirroredStrategy", "PaddedRowsWarning",
-        "ParameterServerStrategy", "ReplicaDivergenceWarning", "ShardedVariable", "ValueContext",
-        "check_replicas", "coordinator", "partitioners", "simulate_cpu_devices"]
+        "ParameterServerStrategy", "PreemptionCheckpointHandler", "ReplicaDivergenceWarning",
+        "ShardedVariable", "TerminationConfig", "ValueContext", "check_replicas", "coordinator",
+        "partitioners", "simulate_cpu_devices"]
     assert sorted(jm.cluster_resolver.__all__) == [
         "ClusterResolver", "ClusterSpec", "RayClusterResolver", "SimpleClusterResolver",
         "SlurmClusterResolver", "TFConfigClusterResolver", "parse_address"]
-    assert sorted(jm.checkpoint.__all__) == ["restore", "restore_into", "save", "to_saveable"]
+    assert sorted(jm.checkpoint.__all__) == ["CheckpointManager", "restore", "restore_into",
+                                            "save", "to_saveable"]
 
 
 def test_dir_shows_the_public_api_and_the_layers_only():

@@ -61,13 +61,9 @@ ABSENT = {
                            (jaxmirror.cluster_resolver, "GCEClusterResolver"),
                            (jaxmirror.cluster_resolver, "KubernetesClusterResolver"),
                            (jaxmirror.cluster_resolver, "UnionResolver")],
-    "experimental.PreemptionCheckpointHandler": [
-        (jaxmirror.experimental, "PreemptionCheckpointHandler"),
-        (jaxmirror.experimental, "TerminationConfig")],
     "coordinator.experimental_get_current_worker_index": [
         (coordinator, "experimental_get_current_worker_index"),
         (coordinator.ClusterCoordinator, "experimental_get_current_worker_index")],
-    "tf.train.CheckpointManager": [(jaxmirror.checkpoint, "CheckpointManager")],
     "SavedModel export": [(jaxmirror, "saved_model"), (jaxmirror.checkpoint, "saved_model")],
 }
 

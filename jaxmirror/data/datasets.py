@@ -145,6 +145,11 @@ class DistributedDataset:
         raise NotImplementedError
 
     def __iter__(self) -> DistributedIterator:
+        return self.iterator_at(0)
+
+    def iterator_at(self, steps: int) -> DistributedIterator:
+        """A new pass that starts after its first ``steps`` elements (a restored iterator's):
+        those batches are read and checked on the host, not placed or exchanged."""
         stop, rounds = threading.Event(), None
         several = self._topology.num_workers > 1
         if several:
@@ -158,14 +163,27 @@ class DistributedDataset:
             threaded = several or any(d.platform != "cpu"
                                       for d in self._strategy.extended.devices)
         if threaded:
-            source = Prefetcher(self._epoch(rounds),
+            source = Prefetcher(self._epoch(rounds, steps),
                                 self._options.experimental_per_replica_buffer_size, stop=stop)
-            return DistributedIterator(self._strategy, source, self)
-        return self._inline_iterator(rounds)
+            return DistributedIterator(self._strategy, source, self, given=steps)
+        return self._inline_iterator(rounds, steps)
 
-    def _inline_iterator(self, rounds) -> DistributedIterator:
+    def _inline_iterator(self, rounds, skip: int) -> DistributedIterator:
         """An iterator that makes each batch in ``next`` (no thread)."""
-        return DistributedIterator(self._strategy, Inline(self._epoch(rounds)), self)
+        return DistributedIterator(self._strategy, Inline(self._epoch(rounds, skip)), self,
+                                   given=skip)
+
+    @property
+    def input_pipelines(self) -> tuple:
+        """``(count, own)``: how many input pipelines feed this dataset, and whether each
+        reads its own data (so that a position means the same data only with as many
+        pipelines); the same global batches read by every worker are one pipeline."""
+        return 1, False
+
+    @staticmethod
+    def _skip(read_one, skip: int) -> None:
+        """Read (and drop) the items of the first ``skip`` steps."""
+        next(itertools.islice(iter(read_one, END), skip, skip), None)
 
     @property
     def element_spec(self):
@@ -199,10 +217,11 @@ class DistributedDataset:
         """Read the first batch (for ``element_spec``) without losing it."""
         raise NotImplementedError
 
-    def _epoch(self, rounds):
+    def _epoch(self, rounds, skip: int):
         """The placed batches of one epoch: a generator, run on the prefetch thread or in next.
 
-        ``rounds`` is the pass's ``StepExchange`` with the other workers (``None`` alone)."""
+        ``rounds`` is the pass's ``StepExchange`` with the other workers (``None`` alone);
+        the first ``skip`` steps are read but not given."""
         raise NotImplementedError
 
     def _spec_text(self) -> str | None:
@@ -245,7 +264,8 @@ class DistributedDataset:
             # The next round's length is agreed too: every worker reads as far ahead.
             cap = _ROUND_BYTES // max(1, self._batch_bytes)
             mine = {"steps": [info(i) for i in items], "replicas": len(self._topology.local),
-                    "spec": None, "next": max(1, min(2 * ahead, _ROUND_STEPS, cap))}
+                    "spec": None, "next": max(1, min(2 * ahead, _ROUND_STEPS, cap)),
+                    "seen": self._rows}
             if not sent_spec and self._first is not None:
                 mine["spec"], sent_spec = self._spec_text(), True
             shared = rounds.share(mine)
@@ -255,6 +275,10 @@ class DistributedDataset:
             if steps == 0:
                 return  # every worker's data has ended: the epoch ends everywhere
             self._adopt_spec(shared)
+            # The largest batch any worker has read, skipped ones of a restored pass included.
+            seen = max(s["seen"] or 0 for s in shared)
+            with self._lock:
+                self._rows = max(self._rows or 0, seen) or None
             self._agreed_size([i for s in shared for i in s["steps"]])
             for k in range(steps):
                 yield (items[k] if k < len(items) else None,
@@ -329,29 +353,44 @@ class GlobalBatchDataset(DistributedDataset):
     def _peek(self) -> None:
         self._factory = peeked(self._factory, self._read_first, self._what)
 
-    def _epoch(self, rounds):
-        return map(self._placer.place_batch, self._host_batches(rounds))
+    @property
+    def input_pipelines(self) -> tuple:
+        if self._off and self._topology.num_workers > 1:
+            return self._topology.num_workers, True  # each worker's own batches
+        return 1, False
 
-    def _inline_iterator(self, rounds) -> DistributedIterator:
+    def _epoch(self, rounds, skip: int):
+        return map(self._placer.place_batch, self._host_batches(rounds, skip))
+
+    def _inline_iterator(self, rounds, skip: int) -> DistributedIterator:
         # Batches stay on the host until asked for: one at a time by ``next``, or several
         # stacked into one transfer by a fused step (``DistributedIterator.take_stacked``).
-        source = Inline(self._host_batches(rounds))
+        source = Inline(self._host_batches(rounds, skip))
         return DistributedIterator(self._strategy, source, self, place=self._placer.place_batch,
-                                   stack=self._placer.stack)
+                                   stack=self._placer.stack, given=skip)
 
-    def _host_batches(self, rounds):
+    def _host_batches(self, rounds, skip: int):
         """The epoch's batches split and padded on the host (``placer.HostBatch``); the first
         is read and checked now (a bad one raises from ``iter``)."""
         source = self._read_first(self._factory())
         if rounds is None:
-            return self._split_all(source)
-        return self._split_agreed(source, rounds)
+            return self._split_all(source, skip)
+        return self._split_agreed(source, rounds, skip)
 
-    def _split_all(self, source):
-        for position, element in enumerate(source):
-            leaves, tree, rows = self._check(element, position)
-            if rows < self._rows and self._options.drop_remainder:
-                continue
+    def _split_all(self, source, skip: int):
+        source, position = iter(source), 0
+
+        def read_one():
+            nonlocal position
+            for element in source:
+                leaves, tree, rows = self._check(element, position)
+                position += 1
+                if not (rows < self._rows and self._options.drop_remainder):
+                    return leaves, tree, rows
+            return END
+
+        self._skip(read_one, skip)
+        for leaves, tree, rows in iter(read_one, END):
             yield self._split(tree, leaves, rows)
 
     def _split(self, tree, leaves, rows) -> HostBatch:
@@ -362,7 +401,7 @@ class GlobalBatchDataset(DistributedDataset):
         blocks = [batching.local_block(a, share, size, index) for a in leaves]
         return HostBatch(tree, blocks, tuple(share.counts) if padded else None)
 
-    def _split_agreed(self, source, rounds):
+    def _split_agreed(self, source, rounds, skip: int):
         """``_split_all`` across workers that may read different data: every step the workers
         agree on each replica's real rows, the static size, and whether any worker still has
         a batch; one whose data has ended gets zero rows until every worker's has."""
@@ -380,6 +419,7 @@ class GlobalBatchDataset(DistributedDataset):
         def info(item):
             return {"counts": [item[3].counts[i] for i in topo.local], "rows": item[2]}
 
+        self._skip(read_one, skip)
         for item, steps in self._in_rounds(rounds, read_one, info):
             counts = tuple(c for s, n in steps for c in (s["counts"] if s else [0] * n))
             size = batching.padded_size(self._rows, self._parts)

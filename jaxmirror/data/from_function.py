@@ -62,11 +62,17 @@ class DistributedDatasetsFromFunction(DistributedDataset):
     def _peek(self) -> None:
         self._factories[0] = peeked(self._factories[0], self._read_first, self._what)
 
-    def _epoch(self, rounds):
-        first, *rest = [f() for f in self._factories]
-        return self._steps([self._read_first(first)] + [iter(r) for r in rest], rounds)
+    @property
+    def input_pipelines(self) -> tuple:
+        if self._per_replica:
+            return self._topology.num_replicas, True
+        return self._topology.num_workers, self._topology.num_workers > 1
 
-    def _steps(self, iterators, rounds):
+    def _epoch(self, rounds, skip: int):
+        first, *rest = [f() for f in self._factories]
+        return self._steps([self._read_first(first)] + [iter(r) for r in rest], rounds, skip)
+
+    def _steps(self, iterators, rounds, skip: int):
         """Per step, one batch per local replica."""
         if self._per_replica:
             pulls = [lambda it=it: next(it, None) for it in iterators]
@@ -92,6 +98,7 @@ class DistributedDatasetsFromFunction(DistributedDataset):
                 if not (self._options.drop_remainder and min(counts) < self._rows):
                     return checked, counts
 
+        self._skip(read_one, skip)
         if rounds is None:
             for item in iter(read_one, END):
                 yield self._stack(*item)

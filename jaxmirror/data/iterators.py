@@ -2,9 +2,53 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
+import numpy as np
+
 from jaxmirror.core import context
+from jaxmirror.core.checkpointable import Checkpointable
+from jaxmirror.runtime import ledger
+
+_STATE_FORMAT = 1  # checkpoint_state: [format, steps given, input pipelines, each its own data]
+_UNUSED: list = []  # elements given but not used yet, while a checkpoint is saved (see below)
+
+
+@contextlib.contextmanager
+def elements_not_used(values):
+    """Inside, an iterator whose last element is one of ``values`` saves its position as if
+    that element had not been given: ``handler.run(step, next(iterator))`` saved by a
+    preemption before ``step`` ran resumes with that element.
+
+    Args:
+        values: the call's arguments (the elements are looked for among them, by identity).
+
+    Example:
+        >>> import numpy as np, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> it = iter(s.experimental_distribute_dataset([np.zeros(2)] * 3))
+        >>> batch = next(it)
+        >>> with elements_not_used([batch]):
+        ...     int(it.checkpoint_state()[1])
+        0
+    """
+    _UNUSED.append(_objects_in(values, 3))
+    try:
+        yield
+    finally:
+        _UNUSED.pop()
+
+
+def _objects_in(values, depth: int) -> dict:
+    """``{id: object}`` of ``values`` and what tuples, lists and dicts among them hold, down
+    to ``depth`` levels (``run(fn, args=(batch,))`` puts the element one level down)."""
+    found = {}
+    for v in values:
+        found[id(v)] = v
+        if depth > 1 and isinstance(v, (tuple, list, dict)):
+            found.update(_objects_in(v.values() if isinstance(v, dict) else v, depth - 1))
+    return found
 
 
 class _Optional:
@@ -37,17 +81,29 @@ class _Optional:
         return f"Optional(has_value={self._has_value})"
 
 
-class DistributedIterator:
+class DistributedIterator(Checkpointable):
     """An iterator over a distributed dataset (``tf.distribute.DistributedIterator``).
 
     Batches are made and copied to the devices on a background thread, up to
     ``InputOptions.experimental_per_replica_buffer_size`` batches ahead of the one in use
     (on CPU devices they are made in ``next`` instead: ``InputOptions.prefetch_thread``).
 
+    Put it in a checkpoint's tree (``jaxmirror.checkpoint.save``, ``CheckpointManager``) to
+    save its position, as TF saves a ``tf.data`` iterator: a restore into an iterator of the
+    same dataset makes it continue after the elements given before the save, so a resumed
+    run sees every element once. The position is a count of elements, re-read (not placed)
+    on restore, so the dataset must give the same batches again (a list, arrays, a grain
+    dataset, a function making the same pass), and the batches read ahead and not yet given
+    are read again. Global batches read by every worker restore onto any number of workers;
+    per-worker data (``distribute_datasets_from_function``, ``AutoShardPolicy.OFF``) onto as
+    many input pipelines as were saved.
+
     Args:
         strategy: the strategy the batches are for.
         prefetcher: a ``prefetch.Prefetcher`` or ``prefetch.Inline`` yielding placed batches.
         dataset: the distributed dataset iterated (for ``element_spec``).
+        given: how many elements the pass had given before this iterator's first (a
+            restored position).
 
     Example:
         >>> import numpy as np, jaxmirror
@@ -57,12 +113,14 @@ class DistributedIterator:
         [[0], [1]]
     """
 
-    def __init__(self, strategy, prefetcher, dataset, place=None, stack=None):
+    def __init__(self, strategy, prefetcher, dataset, place=None, stack=None, given=0):
         self._strategy = strategy
         self._prefetcher = prefetcher
         self._dataset = dataset
         self._place = place  # host batch -> placed element; None: the source yields placed ones
         self._stack = stack  # (first host batch, k) -> a HostStack or None (see take_stacked)
+        self._given = given  # elements given so far in this pass (the checkpointed position)
+        self._last = None  # the last element given (see elements_not_used)
 
     def __iter__(self):
         return self
@@ -75,8 +133,12 @@ class DistributedIterator:
             raise ValueError("DistributedIterator.next: called inside `run`; fetch the batch "
                              "outside and pass it to `run` as an argument.")
         if self._place is None:
-            return next(self._prefetcher)
-        return self._place(next(self._prefetcher))
+            element = next(self._prefetcher)
+        else:
+            element = self._place(next(self._prefetcher))
+        self._given += 1
+        self._last = element
+        return element
 
     def take_stacked(self, k: int) -> list:
         """Up to ``k`` next elements for a fused step (``strategy.function(...,
@@ -98,6 +160,7 @@ class DistributedIterator:
             next(self)  # raises the error above
         groups, stack = [], None
         for batch in itertools.islice(self._prefetcher, k):
+            self._given += 1
             if stack is not None and stack.add(batch):
                 continue
             if stack is not None:
@@ -144,3 +207,75 @@ class DistributedIterator:
     def close(self) -> None:
         """Stop prefetching; the iterator ends."""
         self._prefetcher.close()
+
+    # -- checkpoints (core.checkpointable) --------------------------------------------------------
+    def checkpoint_state(self) -> np.ndarray:
+        """The position saved in a checkpoint: ``[format, elements given, input pipelines,
+        each pipeline its own data]`` (int64). Across workers every worker must have given
+        as many elements (they are agreed, as the save is).
+
+        Returns:
+            A NumPy int64 array of shape (4,).
+
+        Example:
+            >>> import numpy as np, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> it = iter(s.experimental_distribute_dataset([np.zeros(2)] * 3))
+            >>> _ = next(it)
+            >>> it.checkpoint_state().tolist()
+            [1, 1, 1, 0]
+        """
+        pipelines, own = self._dataset.input_pipelines
+        given = self._given
+        if self._last is not None and any(id(self._last) in ids for ids in _UNUSED):
+            given -= 1  # taken for a call that has not run: given again after a restore
+        if ledger.active():
+            ledger.agree("DistributedIterator position", f"{given} elements given")
+        return np.array([_STATE_FORMAT, given, pipelines, int(own)], np.int64)
+
+    def checkpoint_shape_dtype(self) -> tuple:
+        return (4,), np.dtype(np.int64)
+
+    def check_checkpoint_state(self, state) -> None:
+        """Raise ``ValueError`` unless ``state`` is an iterator position this dataset can
+        take (see ``checkpoint_state``)."""
+        state = np.asarray(state)
+        if state.shape != (4,) or int(state[0]) != _STATE_FORMAT or int(state[1]) < 0:
+            raise ValueError(f"jaxmirror.checkpoint.restore: the value saved for a "
+                             f"DistributedIterator is {state.tolist()}, not an iterator "
+                             f"position; restore a checkpoint that saved an iterator here.")
+        pipelines, own = self._dataset.input_pipelines
+        if bool(state[3]) and int(state[2]) != pipelines:
+            raise ValueError(
+                f"jaxmirror.checkpoint.restore: the DistributedIterator was saved with "
+                f"{int(state[2])} input pipelines each reading its own data, and this "
+                f"dataset has {pipelines}; a position in per-worker data means the same "
+                f"elements only with as many pipelines: restore onto as many workers (or "
+                f"replicas), or distribute global batches with experimental_distribute_dataset "
+                f"(any number of workers).")
+        if own and not bool(state[3]):
+            raise ValueError(
+                f"jaxmirror.checkpoint.restore: the DistributedIterator was saved over global "
+                f"batches read by every worker, and this dataset has {pipelines} input "
+                f"pipelines each reading its own data; restore into an iterator of the same "
+                f"kind of dataset.")
+
+    def restore_checkpoint_state(self, state) -> None:
+        """Continue after the ``state[1]``-th element of a new pass (the batches are read
+        again from the dataset's start and dropped; nothing read ahead is kept).
+
+        Example:
+            >>> import numpy as np, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> ds = s.experimental_distribute_dataset([np.full(2, i) for i in range(4)])
+            >>> it = iter(ds)
+            >>> it.restore_checkpoint_state(np.array([1, 2, 1, 0]))
+            >>> [s.experimental_local_results(b)[0].tolist() for b in it]
+            [[2], [3]]
+        """
+        self.check_checkpoint_state(state)
+        self._prefetcher.close()
+        fresh = self._dataset.iterator_at(int(state[1]))
+        self._prefetcher, self._place, self._stack = fresh._prefetcher, fresh._place, fresh._stack
+        self._given, self._last = fresh._given, None
+

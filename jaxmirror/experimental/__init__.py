@@ -13,6 +13,7 @@ from jaxmirror.core.devices import simulate_cpu_devices
 from jaxmirror.data.distribute_values import ValueContext
 from jaxmirror.data.files import FileDataset
 from jaxmirror.data.options import AutoShardPolicy
+from jaxmirror.experimental.failure_handling import PreemptionCheckpointHandler, TerminationConfig
 from jaxmirror.step.divergence import ReplicaDivergenceWarning, check_replicas
 from jaxmirror.step.padding_check import PaddedRowsWarning
 from jaxmirror.strategies.central_storage import CentralStorageStrategy
@@ -29,6 +30,6 @@ def __getattr__(name):
 __all__ = ["AutoShardPolicy", "CentralStorageStrategy", "CommunicationImplementation",
            "CommunicationOptions",
            "FileDataset", "MultiWorkerMirroredStrategy", "PaddedRowsWarning",
-           "ParameterServerStrategy", "ReplicaDivergenceWarning", "ShardedVariable",
-           "ValueContext", "check_replicas", "coordinator", "partitioners",
-           "simulate_cpu_devices"]
+           "ParameterServerStrategy", "PreemptionCheckpointHandler", "ReplicaDivergenceWarning",
+           "ShardedVariable", "TerminationConfig", "ValueContext", "check_replicas",
+           "coordinator", "partitioners", "simulate_cpu_devices"]

@@ -12,6 +12,11 @@ after a grace period) as soon as one fails, on a timeout, or on Ctrl-C:
   worker and returns their return values (see ``run``); a worker's exception comes back as
   a ``WorkerError``.
 
+With ``--max-restarts N`` (``run(..., max_restarts=N)``), a failed attempt (a worker's
+non-zero exit, 42 after a preemption checkpoint included, or a signal) is stopped and the whole
+group started again on fresh ports, up to N times, as torchrun's ``--max-restarts``; each worker
+sees ``JAXMIRROR_LAUNCH_RESTART`` (0, then 1, ...). Ctrl-C and the timeout never restart.
+
 It imports only the standard library and cloudpickle, so a notebook can use it before JAX
 starts, and each worker's JAX starts fresh with its own device settings.
 

@@ -58,14 +58,15 @@ class WorkerError(RuntimeError):
         self.traceback = traceback
 
 
-def _positive_int(name: str, value, optional: bool = False) -> None:
+def _positive_int(name: str, value, optional: bool = False, least: int = 1) -> None:
     if optional and value is None:
         return
-    expected = "None or a positive int" if optional else "a positive int"
+    expected = "an int >= 0" if least == 0 else "a positive int"
+    expected = "None or " + expected if optional else expected
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise TypeError(f"jaxmirror.launch.run: `{name}` must be {expected}; "
                         f"got {value!r} of type {type(value).__name__}.")
-    if value < 1:
+    if value < least:
         raise ValueError(f"jaxmirror.launch.run: `{name}` must be {expected}; got {value!r}.")
 
 
@@ -82,7 +83,8 @@ def _seconds(name: str, value, optional: bool, allow_zero: bool) -> None:
                          f"got {value!r}.")
 
 
-def _check(fn, workers, devices_per_worker, args, kwargs, timeout, grace, env) -> None:
+def _check(fn, workers, devices_per_worker, args, kwargs, timeout, grace, env,
+           max_restarts) -> None:
     if not callable(fn):
         raise TypeError(f"jaxmirror.launch.run: `fn` must be callable; got {fn!r} of type "
                         f"{type(fn).__name__}.")
@@ -90,6 +92,7 @@ def _check(fn, workers, devices_per_worker, args, kwargs, timeout, grace, env) -
     _positive_int("devices_per_worker", devices_per_worker, optional=True)
     _seconds("timeout", timeout, optional=True, allow_zero=False)
     _seconds("grace", grace, optional=False, allow_zero=True)
+    _positive_int("max_restarts", max_restarts, least=0)
     if isinstance(args, (str, bytes)) or not hasattr(args, "__iter__"):
         raise TypeError(f"jaxmirror.launch.run: `args` must be a tuple or list of positional "
                         f"arguments; got {args!r}.")
@@ -156,8 +159,49 @@ def _failure(group: processes.WorkerGroup, index: int, result_path: str) -> Work
                        worker_index=index, exit_code=code)
 
 
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _attempt(commands, envs, results, grace, deadline, timeout):
+    """Run the group once: (the group, the first failed worker or None, the return values)."""
+    # The streams of the moment of the call: a notebook swaps sys.stdout per cell.
+    with processes.WorkerGroup(commands, envs, stdout=sys.stdout, stderr=sys.stderr,
+                               grace=grace) as group:
+        try:
+            failed = group.wait(_left(deadline))
+        except processes.GroupTimeout as e:
+            raise TimeoutError(
+                f"jaxmirror.launch.run: timed out after {timeout:g} s (timeout={timeout!r}); "
+                f"worker(s) {', '.join(map(str, e.running))} were still running and have "
+                "been stopped") from None
+        if failed is not None and group.joined_a_cluster():
+            # The others end themselves, naming the failure (within the run's own time).
+            settle = max(grace, processes.SETTLE_S)
+            if deadline is not None:
+                settle = min(settle, _left(deadline))
+            group.settle(settle)
+    values = []
+    if failed is None:  # a worker that exited 0 without its result failed all the same
+        for i, path in enumerate(results):
+            outcome = _read(group, i, path)
+            if outcome is None or outcome[0] != "returned":
+                return group, i, None
+            values.append(outcome[1])
+    return group, failed, values
+
+
+def _reason(error: WorkerError) -> str:
+    """The restart line's account of ``error``."""
+    if error.traceback is not None:
+        return str(error).splitlines()[0]  # "worker 1 raised ValueError: ..."
+    reason = processes.restart_reason(error.worker_index, error.exit_code)
+    return reason + (" without returning a result" if error.exit_code == 0 else "")
+
+
 def run(fn, workers: int, devices_per_worker: int | None = None, args=(), kwargs=None,
-        timeout: float | None = None, grace: float = 10.0, env=None) -> list:
+        timeout: float | None = None, grace: float = 10.0, env=None,
+        max_restarts: int = 0) -> list:
     """Call ``fn(*args, **kwargs)`` in ``workers`` new local processes; their return values.
 
     Each worker gets ``TF_CONFIG`` for a local cluster (``127.0.0.1`` ports), as
@@ -170,7 +214,9 @@ def run(fn, workers: int, devices_per_worker: int | None = None, args=(), kwargs
     When a worker fails, workers that joined a multi-worker cluster get 20 s (or ``grace``, if
     longer) to stop on their own (a joined worker ends itself with an error naming the failed
     one); then the others get SIGINT, and SIGKILL ``grace`` seconds later; on ``timeout`` and
-    on Ctrl-C (KeyboardInterrupt, re-raised) they get SIGINT at once.
+    on Ctrl-C (KeyboardInterrupt, re-raised) they get SIGINT at once. With ``max_restarts``,
+    a failed attempt is followed, once its workers are gone, by a new one (fresh ports,
+    ``JAXMIRROR_LAUNCH_RESTART`` one more), as with ``--max-restarts``.
 
     Args:
         fn: the function each worker calls.
@@ -179,16 +225,19 @@ def run(fn, workers: int, devices_per_worker: int | None = None, args=(), kwargs
             leaves the device settings inherited from this process's environment.
         args: positional arguments for ``fn``, pickled with cloudpickle.
         kwargs: keyword arguments for ``fn``.
-        timeout: seconds the workers may take altogether; None waits for ever.
+        timeout: seconds the workers may take altogether, restarts included; None waits
+            for ever.
         grace: seconds between SIGINT and SIGKILL when workers are stopped.
         env: environment variables to add for the workers (``TF_CONFIG`` and the
             ``JAXMIRROR_LAUNCH_*`` variables are always the launcher's).
+        max_restarts: how many times a failed group may be started again (an int >= 0).
 
     Returns:
-        The workers' return values, a list in worker order.
+        The workers' return values, a list in worker order (of the attempt that succeeded).
 
     Raises:
-        WorkerError: a worker raised or died; the first one to fail is reported.
+        WorkerError: a worker raised or died; the first one to fail (of the last attempt) is
+            reported.
         TimeoutError: ``timeout`` passed; the message names the workers still running.
         TypeError, ValueError: a bad argument (nothing is started).
 
@@ -198,39 +247,38 @@ def run(fn, workers: int, devices_per_worker: int | None = None, args=(), kwargs
         [4, 4]
         >>> jaxmirror.launch.run(lambda: os.environ["JAXMIRROR_LAUNCH_WORKER_INDEX"], workers=2)
         ['0', '1']
+        >>> def preempted_at_first():  # exits 42 in attempt 0, returns in attempt 1
+        ...     restart = int(os.environ["JAXMIRROR_LAUNCH_RESTART"])
+        ...     return restart if restart else os._exit(42)
+        >>> jaxmirror.launch.run(preempted_at_first, workers=2, max_restarts=1)
+        [1, 1]
     """
-    _check(fn, workers, devices_per_worker, args, kwargs, timeout, grace, env)
-    started = time.monotonic()
+    _check(fn, workers, devices_per_worker, args, kwargs, timeout, grace, env, max_restarts)
+    deadline = None if timeout is None else time.monotonic() + timeout
     payload = _payload(fn, args, kwargs)
-    envs = processes.worker_envs(workers, devices_per_worker, dict(env or {}))
+    used_ports: set[int] = set()
     with tempfile.TemporaryDirectory(prefix="jaxmirror-launch-") as folder:
         payload_path = os.path.join(folder, "payload.pkl")
         with open(payload_path, "wb") as f:
             f.write(payload)
-        results = [os.path.join(folder, f"result-{i}.pkl") for i in range(workers)]
-        commands = [[sys.executable, "-P", WORKER_MAIN, payload_path, r] for r in results]
-        # The streams of the moment of the call: a notebook swaps sys.stdout per cell.
-        with processes.WorkerGroup(commands, envs, stdout=sys.stdout, stderr=sys.stderr,
-                                   grace=grace) as group:
-            try:
-                failed = group.wait(timeout)
-            except processes.GroupTimeout as e:
-                raise TimeoutError(
-                    f"jaxmirror.launch.run: timed out after {timeout:g} s (timeout={timeout!r}); "
-                    f"worker(s) {', '.join(map(str, e.running))} were still running and have "
-                    "been stopped") from None
-            if failed is not None and group.joined_a_cluster():
-                # The others end themselves, naming the failure (within the run's own time).
-                settle = max(grace, processes.SETTLE_S)
-                if timeout is not None:
-                    settle = min(settle, max(0.0, started + timeout - time.monotonic()))
-                group.settle(settle)
-        if failed is not None:
-            raise _failure(group, failed, results[failed])
-        values = []
-        for i, path in enumerate(results):
-            outcome = _read(group, i, path)
-            if outcome is None or outcome[0] != "returned":
-                raise _failure(group, i, path)
-            values.append(outcome[1])
-        return values
+        for restart in range(max_restarts + 1):
+            envs = processes.worker_envs(workers, devices_per_worker, dict(env or {}),
+                                         restart=restart, avoid_ports=used_ports)
+            used_ports |= processes.cluster_ports(envs)
+            # Each attempt its own files: an earlier attempt's result is no answer.
+            results = [os.path.join(folder, f"result-{restart}-{i}.pkl") for i in range(workers)]
+            commands = [[sys.executable, "-P", WORKER_MAIN, payload_path, r] for r in results]
+            group, failed, values = _attempt(commands, envs, results, grace, deadline, timeout)
+            if failed is None:
+                return values
+            error = _failure(group, failed, results[failed])
+            if restart == max_restarts:
+                raise error
+            while group.running() and _left(deadline) != 0:  # SIGKILL sent: they go
+                group.settle(1.0 if deadline is None else min(1.0, _left(deadline)))
+            if group.running() or _left(deadline) == 0:
+                raise TimeoutError(f"jaxmirror.launch.run: timed out after {timeout:g} s "
+                                   f"(timeout={timeout!r}) before restart {restart + 1}; "
+                                   f"the last attempt failed: {_reason(error)}") from error
+            group.log(f"restarting the group (restart {restart + 1} of {max_restarts}): "
+                      f"{_reason(error)}")

@@ -2,7 +2,10 @@
 
 Exit codes: 0 when every worker exited 0; the first failing worker's exit code (128 + the
 signal number when a signal killed it); 124 on ``--timeout``; 130 on Ctrl-C (SIGINT), 143 on
-SIGTERM and 129 on SIGHUP to the launcher; 2 for a bad command line.
+SIGTERM and 129 on SIGHUP to the launcher; 2 for a bad command line. With
+``--max-restarts N``, a failed attempt (a worker's non-zero exit, 42 after a preemption
+checkpoint included, or a signal) restarts the whole group, up to N times: 0 as soon as an
+attempt succeeds, else the last attempt's code.
 
 Example:
     >>> import pathlib, tempfile
@@ -63,6 +66,16 @@ def _non_negative(text):
     return value
 
 
+def _count(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxmirror.launch",
@@ -70,8 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                     "cluster: each gets TF_CONFIG with the cluster's 127.0.0.1 addresses and its "
                     "own task index, for MultiWorkerMirroredStrategy. Worker output is printed "
                     "with a '[worker i] ' prefix; when one worker fails, all are stopped.",
-        epilog="Exit status: 0 when every worker exited 0; else the first failing worker's "
-               "exit code (128+N when signal N killed it), 124 on --timeout, 130 on Ctrl-C, "
+        epilog="Exit status: 0 when every worker exited 0 (in any attempt, with "
+               "--max-restarts); else the first failing worker's exit code, of the last "
+               "attempt (128+N when signal N killed it), 124 on --timeout, 130 on Ctrl-C, "
                "143 on SIGTERM.")
     parser.add_argument("--workers", type=_positive(int), required=True, metavar="N",
                         help="how many worker processes")
@@ -79,10 +93,17 @@ def _parser() -> argparse.ArgumentParser:
                         help="give each worker's JAX K simulated CPU devices (sets "
                              "JAX_NUM_CPU_DEVICES and XLA's host device count flag)")
     parser.add_argument("--timeout", type=_positive(float), metavar="SECONDS",
-                        help="stop every worker after this long and exit 124")
+                        help="stop every worker after this long and exit 124; it bounds "
+                             "the whole launch, restarts included")
     parser.add_argument("--grace", type=_non_negative, default=10.0, metavar="SECONDS",
                         help="seconds between SIGINT and SIGKILL when stopping workers "
                              "(default 10)")
+    parser.add_argument("--max-restarts", type=_count, default=0, metavar="N",
+                        help="when a worker fails (a non-zero exit, 42 after a preemption "
+                             "checkpoint included, or a signal), stop the others and start "
+                             "the whole group again, on fresh ports, up to N times (default "
+                             "0). Workers see JAXMIRROR_LAUNCH_RESTART=k, 0 at first. Ctrl-C, "
+                             "SIGTERM and --timeout never restart")
     parser.add_argument("-m", dest="module", action="store_true",
                         help="TARGET is a module name, run as `python -m TARGET`")
     parser.add_argument("target", metavar="TARGET", help="the script (or, with -m, module)")
@@ -97,27 +118,82 @@ def _install(handler):
     return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
 
 
+def _log(message: str) -> None:
+    print(processes.LOG_PREFIX + message, file=sys.stderr, flush=True)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _attempt(opts, command: list[str], envs: list[dict], deadline: float | None):
+    """Run the group once: (launcher exit code, why it may be restarted or None, the group)."""
+    with processes.WorkerGroup([command] * opts.workers, envs, stdout=sys.stdout,
+                               stderr=sys.stderr, grace=opts.grace) as group:
+        try:
+            failed = group.wait(_left(deadline))
+        except processes.GroupTimeout as e:
+            running = ", ".join(map(str, e.running))
+            group.log(f"timed out after {opts.timeout:g} s (--timeout) with worker(s) "
+                      f"{running} still running; stopping the workers")
+            return EXIT_TIMEOUT, None, group
+        if failed is None:
+            return 0, None, group
+        code = group.returncode(failed)
+        settle = max(opts.grace, processes.SETTLE_S)
+        others = ""
+        if opts.workers > 1:
+            joined = group.joined_a_cluster()
+            others = (f"; the others get {settle:g} s to stop on their own" if joined
+                      else "; stopping the other workers")
+        group.log(f"worker {failed} {processes.describe_exit(code)}{others}")
+        if others.startswith("; the others"):
+            if deadline is not None:  # not past the run's own time
+                settle = min(settle, _left(deadline))
+            running = group.settle(settle)
+            if running:
+                group.log(f"worker(s) {', '.join(map(str, running))} still running; "
+                          f"stopping them")
+    if opts.workers > 1:  # how each one ended, after the stop
+        group.log("; ".join(f"worker {w.index} {processes.describe_exit(w.process.returncode)}"
+                            for w in group.workers))
+    return (code if code > 0 else 128 - code), processes.restart_reason(failed, code), group
+
+
+def _gone(group: processes.WorkerGroup, deadline: float | None) -> bool:
+    """Wait until every worker of ``group`` was reaped (stopping sent SIGKILL); whether all were
+    before ``deadline``."""
+    while group.running() and _left(deadline) != 0:
+        group.settle(1.0 if deadline is None else min(1.0, _left(deadline)))
+    return not group.running()
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line ``python -m jaxmirror.launch``; its exit code.
 
     ``python -m jaxmirror.launch --workers N [--devices-per-worker K] [--timeout SECONDS]
-    [--grace SECONDS] script.py [args...]`` (or ``-m module [args...]``) starts N workers
-    running the script with this Python, each with its own ``TF_CONFIG`` (worker ``i`` of a
-    cluster on free 127.0.0.1 ports) and ``JAXMIRROR_LAUNCH_WORKERS`` /
-    ``JAXMIRROR_LAUNCH_WORKER_INDEX``, and prints their output prefixed with ``[worker i] ``.
+    [--grace SECONDS] [--max-restarts R] script.py [args...]`` (or ``-m module [args...]``)
+    starts N workers running the script with this Python, each with its own ``TF_CONFIG``
+    (worker ``i`` of a cluster on free 127.0.0.1 ports) and ``JAXMIRROR_LAUNCH_WORKERS`` /
+    ``JAXMIRROR_LAUNCH_WORKER_INDEX`` / ``JAXMIRROR_LAUNCH_RESTART``, and prints their output
+    prefixed with ``[worker i] ``.
     When a worker fails, workers that joined a multi-worker cluster get 20 s (or ``--grace``,
     if longer) to stop on their own (a joined worker ends itself, naming the failed one), then
     SIGINT, and SIGKILL ``--grace`` seconds later; on ``--timeout`` and on Ctrl-C they get
     SIGINT at once. A worker whose script fails exits at once, skipping ``atexit`` handlers
     (JAX's shutdown barrier would hold it until the others finish; see
     ``jaxmirror.launch.script_main``). After a failure it says how each worker ended.
+    With ``--max-restarts R``, once every worker of a failed attempt is gone the whole group
+    starts again (fresh ports, ``JAXMIRROR_LAUNCH_RESTART`` one more), up to R times, as
+    torchrun's ``--max-restarts``; ``--timeout`` bounds all attempts together.
 
     Args:
         argv: the arguments after ``python -m jaxmirror.launch`` (default ``sys.argv[1:]``).
 
     Returns:
         0 when every worker exited 0; else the first failing worker's exit code
-        (128 + signal number when a signal killed it), 124 on timeout, 130 on Ctrl-C.
+        (128 + signal number when a signal killed it) of the last attempt, 124 on timeout,
+        130 on Ctrl-C.
 
     Example:
         >>> import pathlib, tempfile, jaxmirror.launch
@@ -134,40 +210,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no such script: {opts.target}")
     command = [sys.executable, "-P", SCRIPT_MAIN, "-m" if opts.module else "--", opts.target,
                *opts.args]
-    envs = processes.worker_envs(opts.workers, opts.devices_per_worker)
     previous = _install(_raise_terminated)
-    started = time.monotonic()
+    deadline = None if opts.timeout is None else time.monotonic() + opts.timeout
+    used_ports: set[int] = set()
+    restart = 0
     try:
-        with processes.WorkerGroup([command] * opts.workers, envs, stdout=sys.stdout,
-                                   stderr=sys.stderr, grace=opts.grace) as group:
-            try:
-                failed = group.wait(opts.timeout)
-            except processes.GroupTimeout as e:
-                running = ", ".join(map(str, e.running))
-                group.log(f"timed out after {opts.timeout:g} s (--timeout) with worker(s) "
-                          f"{running} still running; stopping the workers")
+        while True:
+            envs = processes.worker_envs(opts.workers, opts.devices_per_worker,
+                                         restart=restart, avoid_ports=used_ports)
+            used_ports |= processes.cluster_ports(envs)
+            code, reason, group = _attempt(opts, command, envs, deadline)
+            if reason is None or restart >= opts.max_restarts:
+                return code
+            if not _gone(group, deadline) or _left(deadline) == 0:
+                _log(f"timed out after {opts.timeout:g} s (--timeout) before restart "
+                     f"{restart + 1} of {opts.max_restarts}; not restarting")
                 return EXIT_TIMEOUT
-            if failed is None:
-                return 0
-            code = group.returncode(failed)
-            settle = max(opts.grace, processes.SETTLE_S)
-            others = ""
-            if opts.workers > 1:
-                joined = group.joined_a_cluster()
-                others = (f"; the others get {settle:g} s to stop on their own" if joined
-                          else "; stopping the other workers")
-            group.log(f"worker {failed} {processes.describe_exit(code)}{others}")
-            if others.startswith("; the others"):
-                if opts.timeout is not None:  # not past the run's own time
-                    settle = min(settle, max(0.0, started + opts.timeout - time.monotonic()))
-                running = group.settle(settle)
-                if running:
-                    group.log(f"worker(s) {', '.join(map(str, running))} still running; "
-                              f"stopping them")
-        if opts.workers > 1:  # how each one ended, after the stop
-            group.log("; ".join(f"worker {w.index} {processes.describe_exit(w.process.returncode)}"
-                                for w in group.workers))
-        return code if code > 0 else 128 - code
+            restart += 1
+            _log(f"restarting the group (restart {restart} of {opts.max_restarts}): {reason}")
     except _Terminated as e:
         return 128 + e.signum
     except KeyboardInterrupt:

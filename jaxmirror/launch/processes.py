@@ -40,34 +40,42 @@ STDERR_TAIL_LINES = 20
 # a raised error within a second, and of a killed worker after the coordination service's
 # heartbeat timeout (10 s by default), then ends itself naming it.
 SETTLE_S = 20.0
+# A worker's exit code after a preemption checkpoint (TF's, PreemptionCheckpointHandler's).
+PREEMPTED_EXIT_CODE = 42
 
 
-def free_ports(n: int) -> list[int]:
+def free_ports(n: int, avoid=()) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (the kernel's choice for port 0).
 
     Args:
         n: how many ports.
+        avoid: ports not to return (an earlier attempt's, perhaps still in TIME_WAIT).
 
     Returns:
         The port numbers.
     """
-    # Every socket stays bound until all are, so the kernel cannot hand out one port twice.
-    # Another program may still take a port before a worker binds it; jax.distributed then
-    # fails with "address in use", and a new launch picks new ports.
-    sockets = []
+    # Every socket stays bound until all are, so the kernel cannot hand out one port twice
+    # (an avoided one included: at most len(avoid) draws are refused). Another program may
+    # still take a port before a worker binds it; jax.distributed then fails with "address
+    # in use", and a new launch (or a restart) picks new ports.
+    avoid = set(avoid)
+    sockets, ports = [], []
     try:
-        for _ in range(n):
+        while len(ports) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sockets.append(s)
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+            port = s.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+        return ports
     finally:
         for s in sockets:
             s.close()
 
 
 def worker_envs(workers: int, devices_per_worker: int | None = None,
-                extra: dict | None = None) -> list[dict]:
+                extra: dict | None = None, restart: int = 0, avoid_ports=()) -> list[dict]:
     """One environment per worker: this process's, plus ``extra``, plus the launch variables.
 
     Args:
@@ -76,6 +84,8 @@ def worker_envs(workers: int, devices_per_worker: int | None = None,
             devices (``JAX_NUM_CPU_DEVICES`` and XLA's host device count flag, replacing one
             inherited in ``XLA_FLAGS``); when None the device settings are inherited as they are.
         extra: variables to add; the launch variables (``TF_CONFIG``...) take precedence.
+        restart: how many times the group was restarted before (``JAXMIRROR_LAUNCH_RESTART``).
+        avoid_ports: ports the cluster must not use (those of earlier attempts).
 
     Returns:
         A list of ``workers`` dicts, worker ``i``'s with ``TF_CONFIG`` task index ``i``.
@@ -89,7 +99,8 @@ def worker_envs(workers: int, devices_per_worker: int | None = None,
     # Output goes through pipes; unbuffered, it reaches the launcher line by line as printed.
     base["PYTHONUNBUFFERED"] = "1"
     base["JAXMIRROR_LAUNCH_WORKERS"] = str(workers)
-    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(workers)]}
+    base["JAXMIRROR_LAUNCH_RESTART"] = str(restart)
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in free_ports(workers, avoid_ports)]}
     envs = []
     for i in range(workers):
         env = dict(base)
@@ -97,6 +108,25 @@ def worker_envs(workers: int, devices_per_worker: int | None = None,
         env["JAXMIRROR_LAUNCH_WORKER_INDEX"] = str(i)
         envs.append(env)
     return envs
+
+
+def cluster_ports(envs: list[dict]) -> set[int]:
+    """The ports of the ``TF_CONFIG`` clusters in ``envs`` (to avoid them on a restart).
+
+    Args:
+        envs: worker environments, as ``worker_envs`` makes them.
+
+    Returns:
+        A set of port numbers.
+    """
+    ports = set()
+    for env in envs:
+        try:
+            addresses = json.loads(env.get("TF_CONFIG", "{}"))["cluster"]["worker"]
+            ports.update(int(a.rpartition(":")[2]) for a in addresses)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return ports
 
 
 def describe_exit(returncode: int) -> str:
@@ -117,6 +147,28 @@ def describe_exit(returncode: int) -> str:
     except ValueError:
         name = f"signal {-returncode}"
     return f"was killed by {name}"
+
+
+def restart_reason(index: int, returncode: int) -> str:
+    """Why a group is restarted: ``"worker 1 exited with 42 (preempted)"``, ``"worker 0 was
+    killed by SIGKILL"``.
+
+    Args:
+        index: the worker that ended its attempt.
+        returncode: its ``Popen.returncode``.
+
+    Returns:
+        The phrase.
+
+    Example:
+        >>> from jaxmirror.launch import processes
+        >>> processes.restart_reason(1, 42), processes.restart_reason(0, -9)
+        ('worker 1 exited with 42 (preempted)', 'worker 0 was killed by SIGKILL')
+    """
+    if returncode is not None and returncode >= 0:
+        preempted = " (preempted)" if returncode == PREEMPTED_EXIT_CODE else ""
+        return f"worker {index} exited with {returncode}{preempted}"
+    return f"worker {index} {describe_exit(returncode)}"
 
 
 class GroupTimeout(TimeoutError):

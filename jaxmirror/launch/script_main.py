@@ -70,6 +70,13 @@ def tell_the_cluster(error: BaseException) -> None:
         failures.note_and_report(error)  # an exit code says it all: nothing else to show
 
 
+def _planned_exit() -> bool:
+    # An exit every worker makes at the same step (PreemptionCheckpointHandler's), not a
+    # failure: looked up, not imported (importing would start JAX).
+    failures = sys.modules.get("jaxmirror.runtime.failures")
+    return failures is not None and failures.planned_exit()
+
+
 def main(argv: list[str]) -> None:
     """Run ``argv`` (``["--", script, *args]`` or ``["-m", module, *args]``) as ``__main__``.
 
@@ -94,8 +101,8 @@ def main(argv: list[str]) -> None:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as e:
         code = exit_code(e.code)
-        if code == 0:
-            raise
+        if code == 0 or _planned_exit():
+            raise  # Python's own exit: a worker ends as a finished program does
         if not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
         tell_the_cluster(e)

@@ -45,9 +45,23 @@ def outcome_of(fn, args, kwargs) -> tuple:
     """
     try:
         return "returned", fn(*args, **kwargs)
-    except BaseException as e:  # noqa: BLE001 - SystemExit and Ctrl-C too: fn did not return
-        e = _tell_the_cluster(e)
-        return "raised", _type_name(type(e)), str(e), _traceback(e)
+    except SystemExit:
+        if _planned_exit():
+            raise  # every worker leaves at this step (a preemption checkpoint): Python's exit
+        return _failed(sys.exc_info()[1])
+    except BaseException as e:  # noqa: BLE001 - Ctrl-C too: fn did not return
+        return _failed(e)
+
+
+def _failed(e: BaseException) -> tuple:
+    e = _tell_the_cluster(e)
+    return "raised", _type_name(type(e)), str(e), _traceback(e)
+
+
+def _planned_exit() -> bool:
+    # Looked up, not imported: importing would start JAX.
+    failures = sys.modules.get("jaxmirror.runtime.failures")
+    return failures is not None and failures.planned_exit()
 
 
 def _tell_the_cluster(error: BaseException) -> BaseException:

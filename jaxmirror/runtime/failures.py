@@ -38,7 +38,7 @@ _PEER_FAILURE_MARKS = ("gloo all-reduce failed", "gloo all-gather failed", "gloo
 _ERRORS = {cls.__name__: cls for cls in (errors.UnavailableError, errors.DeadlineExceededError,
                                          errors.CollectiveMismatchError)}
 _state = {"layout": None, "failed": False, "installed": False, "ending": None, "reported": False,
-          "waiting": 0, "heartbeat_s": 10}
+          "waiting": 0, "heartbeat_s": 10, "planned_exit": False}
 _lock = threading.Lock()
 
 
@@ -143,8 +143,8 @@ def note_and_report(error: BaseException) -> BaseException:
         The error to show: ``error``, or the one naming the worker that failed first.
     """
     layout = _state["layout"]
-    if layout is None:
-        return error
+    if layout is None or (_state["planned_exit"] and isinstance(error, SystemExit)):
+        return error  # alone, or leaving after a preemption checkpoint: not a failure
     mark_failed()
     if isinstance(error, tuple(_ERRORS.values())) and _state["reported"]:
         return error  # found by this worker's own wait, and recorded there (fail_here)
@@ -274,6 +274,18 @@ def has_ended(client, process: int) -> bool:
         A bool.
     """
     return _compat.kv_try_get(client, f"{ENDED_PREFIX}{process}") is not None
+
+
+def plan_exit() -> None:
+    """This worker is about to exit on purpose, every worker at the same step (after a
+    preemption checkpoint): its ``SystemExit`` is an end, not a failure to tell the others."""
+    _state["planned_exit"] = True
+
+
+def planned_exit() -> bool:
+    """Whether ``plan_exit`` was called: a ``SystemExit`` then ends this worker as a program
+    that ended does (finishing, then waiting for the others), whatever its code."""
+    return _state["planned_exit"]
 
 
 def joined():

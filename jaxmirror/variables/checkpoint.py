@@ -16,6 +16,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from jaxmirror.core import context
+from jaxmirror.core.checkpointable import Checkpointable
 from jaxmirror.runtime import ledger
 from jaxmirror.variables import checkpoint_files as files
 from jaxmirror.variables import checkpoint_workers as workers
@@ -233,10 +234,14 @@ def restore_into(target, saved):
     saved_pairs = jax.tree_util.tree_flatten_with_path(to_saveable(saved),
                                                        is_leaf=leaves.is_leaf)[0]
     values = leaves.check_same_structure(target_pairs, saved_pairs, "saved tree")
-    out, writes, remote = [], [], []
+    out, writes, remote, states = [], [], [], []
     for (path, leaf), x in zip(target_pairs, values.values()):
         leaves.check_shape(path, leaf, np.shape(x))
-        if isinstance(leaf, (Variable, VariableHandle)):
+        if isinstance(leaf, Checkpointable):  # checked now, taken once the variables are
+            leaf.check_checkpoint_state(np.asarray(x))
+            states.append((leaf, np.asarray(x)))
+            out.append(leaf)
+        elif isinstance(leaf, (Variable, VariableHandle)):
             (writes if isinstance(leaf, Variable) else remote).append((leaf, x))
             out.append(leaf)
         else:
@@ -248,6 +253,8 @@ def restore_into(target, saved):
         for handle, value in old_remote:
             handle.assign(value, read_value=False)
         raise
+    for leaf, x in states:
+        leaf.restore_checkpoint_state(x)
     return _nnx_updated_in_place(target, jax.tree.unflatten(treedef, out))
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from jaxmirror.core import _compat
+from jaxmirror.core.checkpointable import Checkpointable
 from jaxmirror.core.stateful import is_opaque
 from jaxmirror.core.values import DistributedValues, Mirrored
 from jaxmirror.variables.creation import owning_strategy
@@ -79,7 +80,10 @@ def check_same_structure(target_pairs, saved_pairs, what: str) -> dict:
 
 
 def saveable_leaf(path, x):
-    """The array saved for the leaf ``x`` at ``path``: its cross-replica value."""
+    """The array saved for the leaf ``x`` at ``path``: its cross-replica value (an iterator's
+    or another ``Checkpointable``'s state)."""
+    if isinstance(x, Checkpointable):
+        return x.checkpoint_state()
     if isinstance(x, (Variable, VariableHandle)):
         try:
             x = x.read_value()
@@ -117,6 +121,8 @@ def target_shape_dtype(path, leaf):
     """(shape, dtype) a target leaf takes; dtype None: keep the saved one. Raises for bad leaves."""
     if isinstance(leaf, (Variable, VariableHandle)):
         return tuple(leaf.shape), None  # `assign` applies the variable's own dtype rules
+    if isinstance(leaf, Checkpointable):
+        return leaf.checkpoint_shape_dtype()
     if isinstance(leaf, Mirrored):
         return target_shape_dtype(path, leaf.value)
     if isinstance(leaf, DistributedValues):

@@ -1,0 +1,161 @@
+"""``PreemptionCheckpointHandler`` and ``TerminationConfig`` in one process (issue 28): TF's
+local mode, where the handler catches SIGTERM itself. Across workers (JAX's preemption
+service) in ``tests/test_preemption.py``.
+"""
+
+import signal
+import os
+import time
+
+import numpy as np
+import pytest
+
+import jaxmirror as jm
+from conftest import strategy
+
+pytestmark = pytest.mark.filterwarnings("ignore::jaxmirror.experimental.PaddedRowsWarning")
+PHandler = jm.experimental.PreemptionCheckpointHandler
+Config = jm.experimental.TerminationConfig
+STEPS = 8
+
+
+@pytest.fixture(autouse=True)
+def sigterm_restored():
+    old = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+def _setup(s, directory, steps=STEPS, **config):
+    data = [np.full((4, 1), i, np.float32) for i in range(steps)]
+    with s.scope():
+        w = jm.Variable(0.0)
+    iterator = iter(s.experimental_distribute_dataset(data))
+    manager = jm.checkpoint.CheckpointManager({"w": w, "iterator": iterator}, directory,
+                                              max_to_keep=2)
+    handler = PHandler(None, manager, termination_config=Config(**config) if config else None)
+
+    def step(batch):
+        # w <- 0.5 w + mean(batch): the order of the batches shows in the result
+        return s.run(lambda x: w.assign(0.5 * w + jm.get_replica_context().all_reduce(
+            "sum", x.sum()) / 4.0), args=(batch,))
+
+    return w, iterator, handler, step
+
+
+def _uninterrupted(steps=STEPS):
+    w = 0.0
+    for i in range(steps):
+        w = np.float32(0.5) * np.float32(w) + np.float32(i)
+    return w
+
+
+def test_sigterm_in_one_process_saves_before_the_next_step_and_exits_42(tmp_path):
+    s = strategy(2)
+    w, iterator, handler, step = _setup(s, tmp_path / "ck")
+    assert handler.total_run_calls == 0
+    for _ in range(3):
+        handler.run(step, next(iterator))
+    os.kill(os.getpid(), signal.SIGTERM)
+    pending = next(iterator)
+    with pytest.raises(SystemExit) as exit_info:
+        handler.run(step, pending)  # saved before this step, which does not run
+    assert exit_info.value.code == 42
+    assert handler.total_run_calls == 3
+    saved_w = float(w.numpy())
+    # A new run: the handler restores the variable, the iterator (at the batch that was
+    # pending) and the count of calls, and finishes with the uninterrupted result.
+    w2, iterator2, handler2, step2 = _setup(s, tmp_path / "ck")
+    assert handler2.total_run_calls == 3 and float(w2.numpy()) == saved_w
+    while handler2.total_run_calls < STEPS:
+        handler2.run(step2, next(iterator2))
+    assert float(w2.numpy()) == _uninterrupted()
+    with pytest.raises(StopIteration):
+        next(iterator2)
+
+
+def test_a_termination_watcher_and_an_exit_fn_that_returns(tmp_path):
+    s = strategy(2)
+    notice, exits = [], []
+    steps = 200
+    w, iterator, handler, step = _setup(
+        s, tmp_path / "ck", steps, termination_watcher_fn=lambda: bool(notice),
+        exit_fn=lambda: exits.append(handler.total_run_calls))
+    handler.run(step, next(iterator))
+    notice.append(True)
+    deadline = time.monotonic() + 60
+    while not exits and time.monotonic() < deadline and handler.total_run_calls < steps:
+        handler.run(step, next(iterator))
+        time.sleep(0.05)
+    (at,) = exits  # polled every second; then saved at the next call, once
+    assert 1 <= at < steps
+    while handler.total_run_calls < steps:
+        handler.run(step, next(iterator))
+    assert exits == [at] and float(w.numpy()) == _uninterrupted(steps)
+    restored = _setup(s, tmp_path / "ck", steps)
+    assert restored[2].total_run_calls == at
+
+
+def test_save_fn_replaces_the_managers_save_and_save_checkpoint_if_preempted_counts(tmp_path):
+    s = strategy(2)
+    saved = []
+    w, iterator, handler, step = _setup(s, tmp_path / "ck", save_fn=lambda: saved.append(1),
+                                        exit_fn=lambda: None)
+    for _ in range(2):
+        step(next(iterator))
+        handler.save_checkpoint_if_preempted()
+    assert handler.total_run_calls == 2
+    os.kill(os.getpid(), signal.SIGTERM)
+    handler.save_checkpoint_if_preempted()
+    assert saved == [1] and handler.total_run_calls == 3
+    assert handler._manager.latest_checkpoint is None  # save_fn saved instead
+
+
+def test_a_grace_period_trains_on_before_saving(tmp_path):
+    s = strategy(2)
+    exits = []
+    w, iterator, handler, step = _setup(s, tmp_path / "ck", grace_period=3.0,
+                                        exit_fn=lambda: exits.append(handler.total_run_calls))
+    for _ in range(2):
+        handler.run(step, next(iterator))
+        time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    while handler.total_run_calls < STEPS:
+        handler.run(step, next(iterator))
+        time.sleep(0.1)
+    # Three seconds less six steps' time left room for more steps: not saved at once.
+    assert exits == [] or exits[0] > 2
+
+
+def test_a_step_error_is_raised_as_it_was(tmp_path):
+    s = strategy(2)
+    w, iterator, handler, step = _setup(s, tmp_path / "ck")
+
+    def failing(batch):
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="bad batch"):
+        handler.run(failing, next(iterator))
+    assert handler.total_run_calls == 0
+    with pytest.raises(KeyError):
+        with handler.watch_preemption_scope():
+            raise KeyError("x")
+
+
+def test_bad_arguments(tmp_path):
+    manager = jm.checkpoint.CheckpointManager({"n": jm.Variable(0)}, tmp_path / "m",
+                                              max_to_keep=1)
+    with pytest.raises(ValueError, match="give `checkpoint_dir` with a tree"):
+        PHandler(None, {"n": jm.Variable(0)})
+    with pytest.raises(ValueError, match="leave checkpoint_dir None"):
+        PHandler(None, manager, checkpoint_dir=str(tmp_path / "other"))
+    with pytest.raises(TypeError, match="`cluster_resolver` must be a jaxmirror ClusterResolver"):
+        PHandler("worker", manager)
+    with pytest.raises(TypeError, match="`termination_config` must be"):
+        PHandler(None, manager, termination_config={"exit_fn": None})
+    with pytest.raises(TypeError, match="`exit_fn` must be a function"):
+        Config(exit_fn=42)
+    with pytest.raises(ValueError, match="`grace_period` must be >= 0"):
+        Config(grace_period=-1)
+    with pytest.raises(TypeError, match="`grace_period` must be a number"):
+        Config(grace_period="1h")
