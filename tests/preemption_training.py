@@ -10,6 +10,7 @@ the chief, ``final-<attempt>.npy`` (the weights) when training ends.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -81,6 +82,12 @@ handler = jaxmirror.experimental.PreemptionCheckpointHandler(
     strategy.cluster_resolver, manager,
     termination_config=jaxmirror.experimental.TerminationConfig(exit_fn=exit_fn))
 write(f"start-{me}-{attempt}", str(handler.total_run_calls))
+if os.environ.get("PREEMPTION_TEST_EARLY_SIGTERM") == attempt:
+    # The notice comes before this attempt's first step, while every worker still restores
+    # (JAX's preemption service takes about a second to pass it on).
+    if me == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3)
 while handler.total_run_calls < STEPS:
     ids = handler.run(train_step, next(iterator))
     local = [np.asarray(c).tolist() for c in strategy.experimental_local_results(ids)]

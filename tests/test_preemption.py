@@ -24,7 +24,8 @@ STEPS = 16
 GLOBAL = 8
 
 
-def _launch(tmp_path, name, workers, devices, *, restarts=0, save_every=0, kill=None, env=None):
+def _launch(tmp_path, name, workers, devices, *, restarts=0, save_every=0, kill=None,
+            env=None):
     """Run the training; ``kill=(signal, worker)`` is sent to that worker of the first attempt
     once the chief has made a random number of calls. Returns (exit code, output, out dir,
     calls made when the signal was sent)."""
@@ -40,11 +41,15 @@ def _launch(tmp_path, name, workers, devices, *, restarts=0, save_every=0, kill=
     try:
         if kill is not None:
             at = random.Random(os.getpid()).randint(2, STEPS - 8)
-            sig, victim = kill
+            sig, victim = kill  # victim: a worker's index, or ("group", index)
             progress, deadline = out / "progress-0", time.monotonic() + 150
             while time.monotonic() < deadline and proc.poll() is None:
                 if progress.exists() and progress.read_text() and int(progress.read_text()) >= at:
-                    os.kill(int((out / f"pid-{victim}-0").read_text()), sig)
+                    if isinstance(victim, tuple):  # the whole process group, as platforms do
+                        pid = int((out / f"pid-{victim[1]}-0").read_text())
+                        os.killpg(os.getpgid(pid), sig)
+                    else:
+                        os.kill(int((out / f"pid-{victim}-0").read_text()), sig)
                     break
                 time.sleep(0.02)
         text, _ = proc.communicate(timeout=260)
@@ -84,26 +89,40 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("workers,devices", [(2, 2), (4, 1)])
+# 2 x 2: SIGTERM to the chief's whole process group (its coordination service's helper too);
+# 4 x 1: to the last worker, and again in the next attempt before its first step.
+CASES = [(2, 2, ("group", 0), None), (4, 1, 3, "1")]
+
+
+@pytest.mark.parametrize("workers,devices,victim,early", CASES)
 def test_sigterm_saves_everywhere_at_one_step_and_the_restart_resumes_exactly(
-        tmp_path, uninterrupted, workers, devices):
-    code, text, out, at = _launch(tmp_path, "run", workers, devices, restarts=1,
-                                  kill=(signal.SIGTERM, workers - 1))
+        tmp_path, uninterrupted, workers, devices, victim, early):
+    attempts = 3 if early else 2
+    env = {"PREEMPTION_TEST_EARLY_SIGTERM": early} if early else None
+    code, text, out, at = _launch(tmp_path, "run", workers, devices, restarts=attempts - 1,
+                                  kill=(signal.SIGTERM, victim), env=env)
     assert code == 0, text[-4000:]
     assert "exited with 42 (preempted)" in text, text[-4000:]
-    # Every worker saved at the same call and exited through exit_fn.
-    exits = {int((out / f"exit-{w}-0").read_text()) for w in range(workers)}
-    assert len(exits) == 1, exits
-    (saved,) = exits
-    assert at <= saved < STEPS
-    starts = {int((out / f"start-{w}-1").read_text()) for w in range(workers)}
-    assert starts == {saved}
-    first, second = _seen(out, workers, 0), _seen(out, workers, 1)
-    assert all(len(s) == saved for s in first) and all(len(s) == STEPS - saved for s in second)
-    # Every example once over the interruption, and the resumed run starts at the saved batch.
-    assert sorted(_ids(first) + _ids(second)) == list(range(STEPS * GLOBAL))
-    assert min(_ids(second)) == saved * GLOBAL
-    final = np.load(out / "final-1.npy")
+    ids, start = [], 0
+    for attempt in range(attempts):
+        assert {int((out / f"start-{w}-{attempt}").read_text())
+                for w in range(workers)} == {start}, attempt
+        if attempt < attempts - 1:
+            # Every worker saved at the same call and exited through exit_fn.
+            exits = {int((out / f"exit-{w}-{attempt}").read_text()) for w in range(workers)}
+            assert len(exits) == 1, (attempt, exits)
+            (saved,) = exits
+            assert (at if attempt == 0 else start) <= saved < STEPS
+        else:
+            saved = STEPS
+        seen = _seen(out, workers, attempt)
+        assert all(len(s) == saved - start for s in seen), (attempt, start, saved)
+        assert min(_ids(seen), default=start * GLOBAL) == start * GLOBAL
+        ids += _ids(seen)
+        start = saved
+    # Every example once over the interruptions, and the params of an uninterrupted run.
+    assert sorted(ids) == list(range(STEPS * GLOBAL))
+    final = np.load(out / f"final-{attempts - 1}.npy")
     np.testing.assert_array_equal(final, uninterrupted(workers, devices))  # bit for bit
 
 

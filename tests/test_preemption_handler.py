@@ -111,20 +111,27 @@ def test_save_fn_replaces_the_managers_save_and_save_checkpoint_if_preempted_cou
     assert handler._manager.latest_checkpoint is None  # save_fn saved instead
 
 
-def test_a_grace_period_trains_on_before_saving(tmp_path):
+def test_a_grace_period_saves_at_once_trains_on_and_saves_again_before_it_ends(tmp_path):
     s = strategy(2)
-    exits = []
-    w, iterator, handler, step = _setup(s, tmp_path / "ck", grace_period=3.0,
-                                        exit_fn=lambda: exits.append(handler.total_run_calls))
+    exits, steps = [], 120
+    w, iterator, handler, step = _setup(
+        s, tmp_path / "ck", steps, grace_period=3.0,
+        exit_fn=lambda: exits.append((handler.total_run_calls, time.monotonic())))
     for _ in range(2):
         handler.run(step, next(iterator))
-        time.sleep(0.1)
+        time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGTERM)
-    while handler.total_run_calls < STEPS:
+    noticed = time.monotonic()
+    while not exits and handler.total_run_calls < steps:
         handler.run(step, next(iterator))
-        time.sleep(0.1)
-    # Three seconds less six steps' time left room for more steps: not saved at once.
-    assert exits == [] or exits[0] > 2
+        if handler.total_run_calls == 3:  # saved at once, before the call after the notice
+            assert [os.path.basename(p) for p in handler._manager.checkpoints] == ["ckpt-1"]
+        time.sleep(0.05)
+    ((at, when),) = exits
+    # Trained on, then saved again and exited before the grace period ended.
+    assert at > 3 and when - noticed < 3.0
+    assert [os.path.basename(p) for p in handler._manager.checkpoints] == ["ckpt-1", "ckpt-2"]
+    assert _setup(s, tmp_path / "ck", steps)[2].total_run_calls == at
 
 
 def test_a_step_error_is_raised_as_it_was(tmp_path):
@@ -142,6 +149,33 @@ def test_a_step_error_is_raised_as_it_was(tmp_path):
             raise KeyError("x")
 
 
+def test_stop_iteration_passes_through_and_an_exit_fn_that_returns_plans_no_exit(tmp_path):
+    from jaxmirror.runtime import failures
+
+    s = strategy(2)
+    w, iterator, handler, step = _setup(s, tmp_path / "ck", exit_fn=lambda: None)
+    with pytest.raises(StopIteration):
+        handler.run(lambda: next(iter([])))
+    os.kill(os.getpid(), signal.SIGTERM)
+    handler.run(step, next(iterator))
+    assert handler._manager.latest_checkpoint is not None
+    assert not failures.planned_exit()  # the exit function returned: training goes on
+
+
+def test_an_optional_passed_to_run_is_not_lost(tmp_path):
+    s = strategy(2)
+    w, iterator, handler, step = _setup(s, tmp_path / "ck")
+    handler.run(step, next(iterator))
+    os.kill(os.getpid(), signal.SIGTERM)
+    optional = iterator.get_next_as_optional()
+    with pytest.raises(SystemExit):
+        handler.run(lambda o: step(o.get_value()), optional)
+    w2, iterator2, handler2, step2 = _setup(s, tmp_path / "ck")
+    assert handler2.total_run_calls == 1
+    first = next(iterator2)
+    assert float(s.experimental_local_results(first)[0][0, 0]) == 1.0
+
+
 def test_bad_arguments(tmp_path):
     manager = jm.checkpoint.CheckpointManager({"n": jm.Variable(0)}, tmp_path / "m",
                                               max_to_keep=1)
@@ -155,7 +189,11 @@ def test_bad_arguments(tmp_path):
         PHandler(None, manager, termination_config={"exit_fn": None})
     with pytest.raises(TypeError, match="`exit_fn` must be a function"):
         Config(exit_fn=42)
-    with pytest.raises(ValueError, match="`grace_period` must be >= 0"):
-        Config(grace_period=-1)
+    for bad in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="`grace_period` must be a finite number"):
+            Config(grace_period=bad)
+    PHandler(None, manager)
+    with pytest.raises(ValueError, match="another PreemptionCheckpointHandler already uses"):
+        PHandler(None, manager)
     with pytest.raises(TypeError, match="`grace_period` must be a number"):
         Config(grace_period="1h")

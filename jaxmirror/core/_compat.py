@@ -196,16 +196,18 @@ def distributed_client():
     return _distributed.global_state.client
 
 
-def preemption_sync_manager():
-    """JAX's preemption sync manager here (``jax.distributed.initialize`` starts it when
-    ``jax_enable_preemption_service`` is on; its notifier catches SIGTERM), or ``None``.
+def preemption_service_running() -> bool:
+    """Whether JAX's preemption sync manager runs here (``jax.distributed.initialize``
+    starts it when ``jax_enable_preemption_service`` is on; its notifier catches SIGTERM)."""
+    return (_distributed.global_state.client is not None
+            and _distributed.global_state.preemption_sync_manager is not None)
 
-    Its ``reached_sync_point(step)`` is what
-    ``jax.experimental.multihost_utils.reached_preemption_sync_point`` calls: True at the
-    same step on every process once any of them was told it will be preempted."""
-    if _distributed.global_state.client is None:
-        return None
-    return _distributed.global_state.preemption_sync_manager
+
+def reached_preemption_sync_point(call: int) -> bool:
+    """``jax.experimental.multihost_utils.reached_preemption_sync_point(call)``: True at the
+    same call on every process once any was told it will be preempted. Every process counts
+    its calls from 0 at the same point (JAX's sync point is the largest count + 1)."""
+    return _distributed.global_state.preemption_sync_manager.reached_sync_point(call)
 
 
 def distributed_coordinator_address() -> str | None:
@@ -337,8 +339,8 @@ __all__ = [
     "distributed_coordinator_address", "eval_jaxpr", "forget_failed_effect_tokens",
     "initialize_distributed", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
     "kv_delete", "kv_get", "kv_set", "kv_try_get", "local_abstract_key", "make_mesh",
-    "pbroadcast_p", "preemption_sync_manager", "psum_invariant_p", "pvary_p", "reduce_scatter_p",
-    "refuse_array_likes_in",
+    "pbroadcast_p", "preemption_service_running", "psum_invariant_p", "pvary_p",
+    "reached_preemption_sync_point", "reduce_scatter_p", "refuse_array_likes_in",
     "register_array_like", "set_cpu_device_count", "shard_map", "start_coordination_service",
     "trace_state_clean",
 ]

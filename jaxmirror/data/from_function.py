@@ -66,7 +66,7 @@ class DistributedDatasetsFromFunction(DistributedDataset):
     def input_pipelines(self) -> tuple:
         if self._per_replica:
             return self._topology.num_replicas, True
-        return self._topology.num_workers, self._topology.num_workers > 1
+        return self._topology.num_workers, True  # dataset_fn makes each worker's own
 
     def _epoch(self, rounds, skip: int):
         first, *rest = [f() for f in self._factories]

@@ -46,6 +46,9 @@ def _objects_in(values, depth: int) -> dict:
     found = {}
     for v in values:
         found[id(v)] = v
+        if isinstance(v, _Optional) and v.has_value():
+            v = v.get_value()
+            found[id(v)] = v
         if depth > 1 and isinstance(v, (tuple, list, dict)):
             found.update(_objects_in(v.values() if isinstance(v, dict) else v, depth - 1))
     return found

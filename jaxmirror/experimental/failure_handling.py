@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import numpy as np
 
@@ -44,6 +45,7 @@ from jaxmirror.variables.checkpoint_manager import CheckpointManager
 
 RESTART_CODE = 42  # TF's exit code after a preemption save (its default exit_fn)
 _POLL_S = 1.0  # how often a termination_watcher_fn is asked (TF's period)
+_NOTICE_DELAY_S = 2.0  # from a SIGTERM to the step JAX's preemption service agrees on, at most
 _RUN_CALLS = "preemption_checkpoint_handler_run_calls"  # its name in the checkpoint
 _API = "PreemptionCheckpointHandler"
 
@@ -61,11 +63,13 @@ class TerminationConfig:
             available (asked every second on a thread; it must not block). ``None``: SIGTERM
             is the notice.
         exit_fn: called after the preemption checkpoint is saved; ``None``: ``sys.exit(42)``.
-        grace_period: seconds between the notice and the termination. With more than a few
-            steps' time the workers keep training and save as late as is safe; ``None`` or
-            0: save at the first step all workers can reach.
+        grace_period: seconds between the notice and the termination. As in TF, with a
+            grace period the workers save at once, train on, and save again and exit six
+            steps' time (and one save's) before it ends; ``None`` or 0: save and exit at the
+            first step all workers can reach.
         save_fn: saves the preemption checkpoint instead of the checkpoint manager's
-            ``save()``; called with no arguments.
+            ``save()``; called with no arguments (by default the manager saves with
+            ``check_interval=False``: a preemption checkpoint ignores the interval).
 
     Raises:
         TypeError: for a non-callable function or a non-number ``grace_period``.
@@ -89,9 +93,10 @@ class TerminationConfig:
                 raise TypeError(f"jaxmirror.experimental.TerminationConfig: `grace_period` must "
                                 f"be a number of seconds or None; got "
                                 f"{type(grace_period).__name__} {grace_period!r}.")
-            if not grace_period >= 0:
+            if not 0 <= grace_period < float("inf"):
                 raise ValueError(f"jaxmirror.experimental.TerminationConfig: `grace_period` must "
-                                 f"be >= 0 seconds; got {grace_period!r}.")
+                                 f"be a finite number of seconds >= 0, got {grace_period!r}; "
+                                 f"give the time between the notice and the end, or None.")
         self.termination_watcher_fn = termination_watcher_fn
         self.exit_fn = exit_fn
         self.grace_period = grace_period
@@ -156,39 +161,46 @@ class PreemptionCheckpointHandler:
     def __init__(self, cluster_resolver, checkpoint_or_checkpoint_manager, checkpoint_dir=None,
                  termination_config=None):
         if cluster_resolver is not None and not isinstance(cluster_resolver, ClusterResolver):
-            raise TypeError(f"{_API}: `cluster_resolver` must be a jaxmirror ClusterResolver "
-                            f"(the strategy's `cluster_resolver`) or None; got "
-                            f"{type(cluster_resolver).__name__}.")
+            raise TypeError(f"{_API}: `cluster_resolver` must be a jaxmirror ClusterResolver or "
+                            f"None, got {type(cluster_resolver).__name__}; pass the strategy's "
+                            f"`cluster_resolver`.")
         config = termination_config if termination_config is not None else TerminationConfig()
         if not isinstance(config, TerminationConfig):
             raise TypeError(f"{_API}: `termination_config` must be a jaxmirror.experimental."
                             f"TerminationConfig or None; got {type(config).__name__}.")
         self._manager = _manager_for(checkpoint_or_checkpoint_manager, checkpoint_dir)
         self._several = _several_workers()
-        self._service = _compat.preemption_sync_manager() if self._several else None
-        if self._several and self._service is None:
+        if self._several and not _compat.preemption_service_running():
             raise ValueError(f"{_API}: with several workers the handler needs JAX's preemption "
                              f"service, which is off; leave jax_enable_preemption_service on "
                              f"(its default) before the strategy is made.")
-        self._cluster_resolver = cluster_resolver
         self._exit_fn = config.exit_fn or _default_exit
         self._save_fn = config.save_fn
         self._grace = float(config.grace_period or 0)
         self._calls = _RunCalls()
-        self._manager.track(_RUN_CALLS, self._calls)
+        try:
+            self._manager.track(_RUN_CALLS, self._calls)
+        except ValueError:
+            raise ValueError(f"{_API}: another PreemptionCheckpointHandler already uses this "
+                             f"CheckpointManager; make one handler per manager.") from None
         self._manager.restore_or_initialize()
         self._notice = threading.Event()  # this process was told it will end (one process)
-        self._save_at = None  # the agreed call number to save at, once known
-        self._run_time = 0.0  # the average time of a call, for the grace period
+        self._checks = 0  # calls checked here, from 0 on every worker (JAX's counter)
+        self._final = None  # the check to save at and exit, once agreed; -1 once done
+        self._last_check = None  # when the last check was (the time between calls)
+        self._interval = 0.0  # the average time from one call to the next
         self._stop = threading.Event()
-        self._watcher = None
         if config.termination_watcher_fn is not None:
-            self._watcher = threading.Thread(target=self._poll,
-                                             args=(config.termination_watcher_fn,),
-                                             name="jaxmirror-termination-watcher", daemon=True)
-            self._watcher.start()
-        elif not self._several and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            threading.Thread(target=self._poll, args=(config.termination_watcher_fn,),
+                             name="jaxmirror-termination-watcher", daemon=True).start()
+        elif not self._several:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+            else:
+                warnings.warn(f"{_API}: made off the main thread, where Python cannot catch "
+                              f"SIGTERM, so this handler will not see one; make it on the main "
+                              f"thread, or give TerminationConfig(termination_watcher_fn=...).",
+                              RuntimeWarning, stacklevel=2)
 
     @property
     def total_run_calls(self) -> int:
@@ -198,6 +210,11 @@ class PreemptionCheckpointHandler:
 
     def run(self, distributed_train_function, *args, **kwargs):
         """Run one training step, saving and exiting first if this is the agreed step.
+
+        An iterator in the checkpoint that gave one of the arguments (``next(iterator)``,
+        ``get_next_as_optional()``) as its last element is saved without it, so the batch of a
+        step that a preemption stops is trained after the restart; one element per iterator
+        and call.
 
         Args:
             distributed_train_function: one step (typically calling ``strategy.run``).
@@ -210,13 +227,10 @@ class PreemptionCheckpointHandler:
         Raises:
             Whatever the step raises, after telling the other workers.
         """
-        self._save_if_preempted(args + tuple(kwargs.values()), ())
-        start = time.monotonic()
+        self._check(args + tuple(kwargs.values()), ())
         with self.watch_preemption_scope():
             result = distributed_train_function(*args, **kwargs)
         self._calls.count += 1
-        n = self._calls.count
-        self._run_time += (time.monotonic() - start - self._run_time) / min(n, 100)
         return result
 
     def save_checkpoint_if_preempted(self, *args, **kwargs) -> None:
@@ -227,13 +241,14 @@ class PreemptionCheckpointHandler:
             *args: passed to the checkpoint manager's ``save``.
             **kwargs: passed to the checkpoint manager's ``save``.
         """
-        self._save_if_preempted((), (args, kwargs))
+        self._check((), (args, kwargs))
         self._calls.count += 1
 
     @contextlib.contextmanager
     def watch_preemption_scope(self):
         """Inside, an error is reported to every worker before it is raised here (TF's error
-        propagation), so the others end at once, naming this worker.
+        propagation), so the others end at once, naming this worker. ``StopIteration`` (the
+        end of the data, agreed by every worker) passes through as it is.
 
         Example:
             >>> import tempfile, jaxmirror
@@ -244,6 +259,8 @@ class PreemptionCheckpointHandler:
         """
         try:
             yield
+        except (StopIteration, GeneratorExit):
+            raise
         except Exception as error:  # noqa: BLE001 - reported, then raised as it was
             shown = failures.note_and_report(error)
             if shown is not error:
@@ -265,38 +282,56 @@ class PreemptionCheckpointHandler:
                     os.kill(os.getpid(), signal.SIGTERM)
                 return
 
-    def _save_if_preempted(self, unused_args, save_args) -> None:
-        n = self._calls.count
-        if self._save_at is None:
+    def _check(self, unused_args, save_args) -> None:
+        """At each call: has a preemption been agreed on? Save (and exit) where it says."""
+        now = time.monotonic()
+        if self._last_check is not None:
+            n = min(self._checks, 100)
+            self._interval += (now - self._last_check - self._interval) / n
+        self._last_check = now
+        check, self._checks = self._checks, self._checks + 1
+        if self._final is None:
             if self._several:
-                reached = self._service.reached_sync_point(n)
+                reached = _compat.reached_preemption_sync_point(check)
             else:
                 reached = self._notice.is_set()
             if not reached:
                 return
-            self._save_at = n + self._steps_of_grace()
-        if n != self._save_at:
-            return
-        self._save_at = -1  # saved once; an exit_fn that returns lets training go on
+            self._final = check
+            if self._grace > 0:  # TF's way: save now, train on, save again before the end
+                self._save(unused_args, save_args)
+                self._final = check + self._calls_of_grace(now)
+                if self._final > check:
+                    return
+                self._finish()
+                return
+        if check == self._final:
+            self._save(unused_args, save_args)
+            self._finish()
+
+    def _save(self, unused_args, save_args) -> None:
         with iterators.elements_not_used(unused_args):
             if self._save_fn is not None:
                 self._save_fn()
-            else:
-                args, kwargs = save_args or ((), {})
-                # The preemption checkpoint is saved whatever the manager's interval says.
-                kwargs = {"check_interval": False, **kwargs} if len(args) < 2 else kwargs
-                self._manager.save(*args, **kwargs)
+                return
+            args, kwargs = save_args or ((), {})
+            # The preemption checkpoint is saved whatever the manager's interval says.
+            kwargs = {"check_interval": False, **kwargs} if len(args) < 2 else kwargs
+            self._manager.save(*args, **kwargs)
+
+    def _finish(self) -> None:
+        self._final = -1  # once: an exit_fn that returns lets training go on
         self._stop.set()
         failures.plan_exit()  # every worker exits here: an end, not a failure to report
         self._exit_fn()
+        failures.plan_exit(False)
 
-    def _steps_of_grace(self) -> int:
-        """How many more calls every worker can make in the grace period (0 without one):
-        the period less six calls' time (TF's margin), agreed as the smallest across workers."""
-        if self._grace <= 0 or self._run_time <= 0:
-            mine = 0
-        else:
-            mine = int(max(0.0, self._grace - 6 * self._run_time) // self._run_time)
+    def _calls_of_grace(self, noticed: float) -> int:
+        """How many more calls every worker can make before the grace period ends, keeping
+        the time of six calls and of one more save: agreed as the fewest across workers."""
+        spent = time.monotonic() - noticed + (_NOTICE_DELAY_S if self._several else 0.0)
+        left = self._grace - 2 * spent - 6 * self._interval  # spent: the first save's time too
+        mine = int(left // self._interval) if self._interval > 0 and left > 0 else 0
         if self._several:
             return min(ledger.agree(f"{_API}: the step to save at", "", mine))
         return mine

@@ -276,15 +276,15 @@ def has_ended(client, process: int) -> bool:
     return _compat.kv_try_get(client, f"{ENDED_PREFIX}{process}") is not None
 
 
-def plan_exit() -> None:
+def plan_exit(planned: bool = True) -> None:
     """This worker is about to exit on purpose, every worker at the same step (after a
-    preemption checkpoint): its ``SystemExit`` is an end, not a failure to tell the others."""
-    _state["planned_exit"] = True
+    preemption checkpoint): its ``SystemExit`` is an end, not a failure to tell the others
+    (``False``: the exit function returned; training goes on)."""
+    _state["planned_exit"] = planned
 
 
 def planned_exit() -> bool:
-    """Whether ``plan_exit`` was called: a ``SystemExit`` then ends this worker as a program
-    that ended does (finishing, then waiting for the others), whatever its code."""
+    """Whether an exit is planned: a ``SystemExit`` ends this worker as a finished program."""
     return _state["planned_exit"]
 
 

@@ -119,7 +119,11 @@ def main(argv: list) -> None:
     Args:
         argv: ``[bind address, processes, heartbeat s, shutdown s, linger s]``.
     """
+    # A Ctrl-C, or a preemption notice a platform sends to every process of the chief's group,
+    # must not end the service before the chief: the workers still save (PreemptionCheckpoint-
+    # Handler). It ends when the chief's stdin closes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     bind, num, heartbeat, shutdown, linger = argv
     # Held until the process exits: the object is the service.
     _state["service"] = _compat.start_coordination_service(bind, int(num), int(heartbeat),

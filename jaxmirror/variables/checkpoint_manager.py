@@ -303,7 +303,8 @@ class CheckpointManager:
             raise TypeError(f"{api}: `options` must be None, got {type(options).__name__}; "
                             f"jaxmirror has no CheckpointOptions (saves are synchronous).")
         if not isinstance(check_interval, bool):
-            raise TypeError(f"{api}: `check_interval` must be a bool, got {check_interval!r}.")
+            raise TypeError(f"{api}: `check_interval` must be a bool, got {check_interval!r}; "
+                            f"pass True or False.")
         number = (None if checkpoint_number is None
                   else _evaluate(checkpoint_number, "checkpoint_number", api))
         step = None
