@@ -547,3 +547,19 @@ def test_a_chief_killed_while_saving_is_relaunched_and_restores_the_newest(tmp_p
     assert restored[0] == restored[1] == [{"checkpoints": ["ckpt-3", "ckpt-4"], "counter": 4,
                                            **_values(4)}]
     assert _listing(tmp_path / "ckpts") == [STATE, "ckpt-3", "ckpt-4"]
+
+
+def test_an_nnx_optimizers_step_is_a_step_counter(tmp_path):
+    # TF's `step_counter=optimizer.iterations`: read at each save, not a snapshot.
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    manager = jm.checkpoint.CheckpointManager(
+        {"model": model, "optimizer": optimizer}, tmp_path, max_to_keep=None,
+        step_counter=optimizer.step, checkpoint_interval=2)
+    saved = []
+    for _ in range(6):
+        grads = nnx.grad(lambda m: (m(jnp.ones((1, 2))) ** 2).sum())(model)
+        optimizer.update(model, grads)
+        saved.append(manager.save() is not None)
+    assert saved == [True, False, True, False, True, False]
+    assert int(optimizer.step.get_value()) == 6

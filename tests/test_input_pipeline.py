@@ -1114,10 +1114,8 @@ def test_every_policy_is_accepted_with_one_worker_and_splits_the_same(policy):
 
 
 def test_file_policy_is_refused_with_several_workers(monkeypatch):
-    import jaxmirror.data.datasets as input_module
-
     two_workers = batching.Topology(4, 2, 0, range(0, 2))
-    monkeypatch.setattr(input_module, "_topology", lambda strategy: two_workers)
+    monkeypatch.setattr(batching, "topology", lambda strategy: two_workers)
     options = InputOptions(auto_shard_policy=AutoShardPolicy.FILE)
     with pytest.raises(ValueError, match="AutoShardPolicy.FILE"):
         strategy(4).experimental_distribute_dataset(id_batches([8]), options)

@@ -149,7 +149,59 @@ def test_a_bad_saved_value_is_refused_before_anything_is_assigned(tmp_path):
         v = jm.Variable(1.0)
     jm.checkpoint.save(tmp_path / "ck", {"iterator": np.array([7, 0, 0, 0], np.int64), "v": 2.0})
     it = iter(s.experimental_distribute_dataset(_batches()))
-    with pytest.raises(ValueError, match="not an iterator position"):
+    with pytest.raises(ValueError, match="not a position"):
         jm.checkpoint.restore(tmp_path / "ck", {"iterator": it, "v": v})
     assert float(v.numpy()) == 1.0
     assert _ids(s, next(it)) == list(range(GLOBAL))
+
+
+def _epoch_loop(s, ds, start_total, steps_per_epoch, epochs, stop_at=None):
+    """TF's loop: an iterator per epoch, steps counted from the total; returns the ids seen
+    per (epoch, step), and the total where it stopped."""
+    seen, total = {}, start_total
+    for epoch in range(total // steps_per_epoch, epochs):
+        iterator = iter(ds)
+        for step in range(total % steps_per_epoch, steps_per_epoch):
+            if total == stop_at:
+                return seen, total
+            seen[epoch, step] = _ids(s, next(iterator))
+            total += 1
+    return seen, total
+
+
+@pytest.mark.parametrize("stop_at", [3, 7, 14])  # mid-epoch, at an epoch's end, the last one
+def test_a_dataset_in_the_checkpoint_resumes_tfs_loop_with_an_iterator_per_epoch(tmp_path,
+                                                                                  stop_at):
+    s = strategy(2)
+    data = _batches(7, GLOBAL)
+    ds = s.experimental_distribute_dataset(data)
+    first, total = _epoch_loop(s, ds, 0, 7, 3, stop_at)
+    assert total == stop_at
+    jm.checkpoint.save(tmp_path / "ck", {"data": ds, "total": total})
+    fresh = s.experimental_distribute_dataset(data)
+    total = jm.checkpoint.restore(tmp_path / "ck", {"data": fresh, "total": 0})["total"]
+    rest, end = _epoch_loop(s, fresh, total, 7, 3)
+    assert end == 21 and not set(first) & set(rest)
+    uninterrupted, _ = _epoch_loop(s, s.experimental_distribute_dataset(data), 0, 7, 3)
+    assert {**first, **rest} == uninterrupted  # every example once per epoch, in order
+
+
+def test_an_iterator_of_an_earlier_pass_is_refused_when_saved(tmp_path):
+    s = strategy(2)
+    ds = s.experimental_distribute_dataset(_batches())
+    old = iter(ds)
+    next(old)
+    iter(ds)  # the next epoch's iterator, made by TF's per-epoch loop
+    with pytest.raises(ValueError, match="not the latest pass over its dataset.*put the "
+                                         "distributed dataset itself in the checkpoint"):
+        jm.checkpoint.save(tmp_path / "ck", {"iterator": old})
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_one_shot_dataset_is_refused_when_saved(tmp_path):
+    s = strategy(2)
+    it = iter(s.experimental_distribute_dataset(iter(_batches())))
+    next(it)
+    with pytest.raises(ValueError, match="one-shot iterator.*cannot read again"):
+        jm.checkpoint.save(tmp_path / "ck", {"iterator": it})
+    assert not (tmp_path / "ck").exists()

@@ -11,9 +11,10 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 
 import pytest
+
+import process_marks
 
 LAUNCH = [sys.executable, "-m", "jaxmirror.launch"]
 MARK = "JAXMIRROR_TEST_LAUNCH_MARK"
@@ -29,47 +30,13 @@ def launch():
     return jaxmirror.launch
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has stopped
-    except FileNotFoundError:
-        return False
-
-
-def _marked(mark: str) -> list[int]:
-    """Live processes (not this one) whose environment carries ``mark``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if f"{MARK}={mark}".encode() in f.read().split(b"\0") and _alive(int(name)):
-                    found.append(int(name))
-        except OSError:
-            pass
-    return found
-
-
-def _wait_until(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
+_alive, _wait_until = process_marks.alive, process_marks.wait_until
 
 
 @pytest.fixture(autouse=True)
 def nothing_left_running(monkeypatch):
     """Every process a test starts inherits a mark; none may still run once the test is over."""
-    mark = uuid.uuid4().hex
-    monkeypatch.setenv(MARK, mark)
-    yield
-    if not os.path.isdir("/proc"):
-        return
-    assert _wait_until(lambda: not _marked(mark), 5.0), f"left running: {_marked(mark)}"
+    yield from process_marks.nothing_left_running(monkeypatch, MARK)
 
 
 def _script(folder, name: str, body: str) -> str:

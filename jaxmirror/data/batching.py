@@ -76,6 +76,23 @@ class Topology(NamedTuple):
     local: range
 
 
+def topology(strategy) -> Topology:
+    """The replicas of ``strategy`` as this worker's input pipeline sees them.
+
+    Raises:
+        ValueError: when this worker's replicas are not contiguous in replica order.
+    """
+    ext = strategy.extended
+    me = jax.process_index()
+    local = [i for i, d in enumerate(ext.devices) if d.process_index == me]
+    if local != list(range(local[0], local[-1] + 1)):
+        raise ValueError(f"DistributedDataset: this worker's replicas {local} of {strategy!r} "
+                         f"are not contiguous in replica order, as distributing a dataset "
+                         f"needs; list each worker's devices together.")
+    return Topology(ext.placement.num_replicas, jax.process_count(), me,
+                    range(local[0], local[-1] + 1))
+
+
 def share(rows: int, topology: Topology, policy_off: bool) -> Share:
     """Where one global batch's rows go.
 

@@ -18,9 +18,10 @@ import threading
 import jax
 import numpy as np
 
-from jaxmirror.data import batching, sources
+from jaxmirror.core.checkpointable import Checkpointable
+from jaxmirror.data import batching, positions, sources
 from jaxmirror.data.iterators import DistributedIterator
-from jaxmirror.data.options import AutoShardPolicy, InputOptions, InputReplicationMode
+from jaxmirror.data.options import AutoShardPolicy, InputReplicationMode, check_options
 from jaxmirror.data.placer import HostBatch, Placer
 from jaxmirror.data.prefetch import Inline, Prefetcher
 from jaxmirror.runtime import ledger
@@ -31,28 +32,7 @@ _ROUND_STEPS = 16  # steps agreed across workers in one exchange, at most
 _ROUND_BYTES = 64 << 20  # of this worker's host batches read ahead for one exchange
 
 
-def _topology(strategy) -> batching.Topology:
-    ext = strategy.extended
-    me = jax.process_index()
-    local = [i for i, d in enumerate(ext.devices) if d.process_index == me]
-    if local != list(range(local[0], local[-1] + 1)):
-        raise ValueError(f"DistributedDataset: this worker's replicas {local} of {strategy!r} "
-                         f"are not contiguous in replica order, as distributing a dataset "
-                         f"needs; list each worker's devices together.")
-    return batching.Topology(ext.placement.num_replicas, jax.process_count(), me,
-                             range(local[0], local[-1] + 1))
-
-
-def _check_options(options, what: str) -> InputOptions:
-    if options is None:
-        return InputOptions()
-    if not isinstance(options, InputOptions):
-        raise ValueError(f"{what}: `options` must be a jaxmirror.InputOptions or None; got "
-                         f"{type(options).__name__}.")
-    return options
-
-
-class DistributedDataset:
+class DistributedDataset(Checkpointable):
     """A dataset split over the replicas (``tf.distribute.DistributedDataset``).
 
     What ``strategy.experimental_distribute_dataset`` and ``distribute_datasets_from_function``
@@ -90,14 +70,16 @@ class DistributedDataset:
 
     def __init__(self, strategy, options):
         self._strategy = strategy
-        self._options = _check_options(options, self._what)
-        self._topology = _topology(strategy)
+        self._options = check_options(options, self._what)
+        self._topology = batching.topology(strategy)
         self._placer = Placer(strategy, self._options)
         self._lock = threading.Lock()  # iterators' threads record the first batch and the size
         self._first = None  # (treedef, [(dtype, row shape)]) of the first batch
         self._rows = None  # the static batch size: the largest batch seen
         self._padded = None  # whether batches carry row counts (decided by the first batch)
         self._batch_bytes = 0  # the first batch's host bytes (how far to read ahead)
+        self._latest = None  # the latest pass's iterator
+        self._resume_at = 0  # where the next pass starts (a restored position)
 
     def __repr__(self) -> str:
         # The public name, not the implementing class (GlobalBatchDataset is internal).
@@ -145,11 +127,45 @@ class DistributedDataset:
         raise NotImplementedError
 
     def __iter__(self) -> DistributedIterator:
-        return self.iterator_at(0)
+        skip, self._resume_at = self._resume_at, 0  # a restored position: the next pass's
+        return self.iterator_at(skip)
 
-    def iterator_at(self, steps: int) -> DistributedIterator:
-        """A new pass that starts after its first ``steps`` elements (a restored iterator's):
-        those batches are read and checked on the host, not placed or exchanged."""
+    def iterator_at(self, steps: int, adopted_by=None) -> DistributedIterator:
+        """A new pass that starts after its first ``steps`` elements (a restored position):
+        those batches are read and checked on the host, not placed or exchanged.
+        ``adopted_by``: the iterator that takes this pass over (the dataset's latest)."""
+        it = self._new_iterator(steps)
+        # Held (not weakly): TF's loop may drop an epoch's iterator before the save.
+        self._latest = adopted_by if adopted_by is not None else it
+        return it
+
+    def latest_iterator(self):
+        """The iterator of the latest pass (``None`` before the first, or once dropped)."""
+        return self._latest
+
+    # -- checkpoints: the latest pass's position (data/positions.py) ------------------------------
+    def checkpoint_state(self) -> np.ndarray:
+        """The position of the latest pass, or the start of the next once it has ended (TF's
+        loop making an iterator per epoch: the first ``iter()`` after a restore continues)."""
+        it = self.latest_iterator()
+        given = self._resume_at if it is None or it.at_end() else it.given()
+        return positions.state(given, self)
+
+    def checkpoint_shape_dtype(self) -> tuple:
+        return positions.SHAPE_DTYPE
+
+    def check_checkpoint_state(self, state) -> None:
+        positions.check(state, self)
+
+    def restore_checkpoint_state(self, state) -> None:
+        self._resume_at = positions.check(state, self)
+
+    @property
+    def restorable(self) -> bool:
+        """Whether a pass can be read again in a new process (not a one-shot iterator)."""
+        return not isinstance(getattr(self, "_factory", None), sources.OneShot)
+
+    def _new_iterator(self, steps: int) -> DistributedIterator:
         stop, rounds = threading.Event(), None
         several = self._topology.num_workers > 1
         if several:
@@ -296,24 +312,6 @@ class DistributedDataset:
                 self._first[1]]
 
 
-def peeked(factory, read_first, what):
-    """``factory`` after its source's first batch was read: one-shot sources get it back.
-
-    Args:
-        factory: a dataset's epoch factory (``sources.epoch_factory``).
-        read_first: the dataset's ``_read_first``.
-        what: the API name, for errors.
-
-    Returns:
-        A factory whose next epoch starts with the batch already read.
-    """
-    if isinstance(factory, sources.OneShot):
-        source = read_first(factory())
-        return sources.OneShot(source, what)
-    read_first(factory())
-    return factory
-
-
 class GlobalBatchDataset(DistributedDataset):
     """What ``experimental_distribute_dataset`` returns: global batches split by TF's rule.
 
@@ -351,7 +349,7 @@ class GlobalBatchDataset(DistributedDataset):
         return len(topo.local) if self._off and topo.num_workers > 1 else topo.num_replicas
 
     def _peek(self) -> None:
-        self._factory = peeked(self._factory, self._read_first, self._what)
+        self._factory = sources.peeked(self._factory, self._read_first, self._what)
 
     @property
     def input_pipelines(self) -> tuple:
@@ -377,7 +375,9 @@ class GlobalBatchDataset(DistributedDataset):
             return self._split_all(source, skip)
         return self._split_agreed(source, rounds, skip)
 
-    def _split_all(self, source, skip: int):
+    def _reader(self, source):
+        """A function giving the next checked batch ``(leaves, tree, rows)`` of ``source`` that
+        is not dropped (``drop_remainder``), or ``END``."""
         source, position = iter(source), 0
 
         def read_one():
@@ -388,7 +388,10 @@ class GlobalBatchDataset(DistributedDataset):
                 if not (rows < self._rows and self._options.drop_remainder):
                     return leaves, tree, rows
             return END
+        return read_one
 
+    def _split_all(self, source, skip: int):
+        read_one = self._reader(source)
         self._skip(read_one, skip)
         for leaves, tree, rows in iter(read_one, END):
             yield self._split(tree, leaves, rows)
@@ -405,16 +408,11 @@ class GlobalBatchDataset(DistributedDataset):
         """``_split_all`` across workers that may read different data: every step the workers
         agree on each replica's real rows, the static size, and whether any worker still has
         a batch; one whose data has ended gets zero rows until every worker's has."""
-        topo, source, position = self._topology, iter(source), 0
+        topo, read_plain = self._topology, self._reader(source)
 
         def read_one():
-            nonlocal position
-            for element in source:
-                leaves, tree, rows = self._check(element, position)
-                position += 1
-                if not (rows < self._rows and self._options.drop_remainder):
-                    return leaves, tree, rows, batching.share(rows, topo, self._off)
-            return END
+            item = read_plain()
+            return item if item is END else item + (batching.share(item[2], topo, self._off),)
 
         def info(item):
             return {"counts": [item[3].counts[i] for i in topo.local], "rows": item[2]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxmirror.data import batching, sources
-from jaxmirror.data.datasets import END, DistributedDataset, peeked
+from jaxmirror.data.datasets import END, DistributedDataset
 from jaxmirror.data.options import InputContext, InputReplicationMode
 
 
@@ -60,7 +60,11 @@ class DistributedDatasetsFromFunction(DistributedDataset):
         return 1
 
     def _peek(self) -> None:
-        self._factories[0] = peeked(self._factories[0], self._read_first, self._what)
+        self._factories[0] = sources.peeked(self._factories[0], self._read_first, self._what)
+
+    @property
+    def restorable(self) -> bool:
+        return not any(isinstance(f, sources.OneShot) for f in self._factories)
 
     @property
     def input_pipelines(self) -> tuple:

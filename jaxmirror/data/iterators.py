@@ -9,9 +9,8 @@ import numpy as np
 
 from jaxmirror.core import context
 from jaxmirror.core.checkpointable import Checkpointable
-from jaxmirror.runtime import ledger
+from jaxmirror.data import positions
 
-_STATE_FORMAT = 1  # checkpoint_state: [format, steps given, input pipelines, each its own data]
 _UNUSED: list = []  # elements given but not used yet, while a checkpoint is saved (see below)
 
 
@@ -124,6 +123,8 @@ class DistributedIterator(Checkpointable):
         self._stack = stack  # (first host batch, k) -> a HostStack or None (see take_stacked)
         self._given = given  # elements given so far in this pass (the checkpointed position)
         self._last = None  # the last element given (see elements_not_used)
+        self._ahead = None  # an item read ahead by at_end, given next
+        self._ended = False  # the pass has ended
 
     def __iter__(self):
         return self
@@ -135,10 +136,14 @@ class DistributedIterator(Checkpointable):
         if context.current().in_run:
             raise ValueError("DistributedIterator.next: called inside `run`; fetch the batch "
                              "outside and pass it to `run` as an argument.")
-        if self._place is None:
-            element = next(self._prefetcher)
-        else:
-            element = self._place(next(self._prefetcher))
+        item, self._ahead = self._ahead, None
+        if item is None:
+            try:
+                item = next(self._prefetcher)
+            except StopIteration:
+                self._ended = True
+                raise
+        element = item if self._place is None else self._place(item)
         self._given += 1
         self._last = element
         return element
@@ -162,7 +167,10 @@ class DistributedIterator(Checkpointable):
         if context.current().in_run:
             next(self)  # raises the error above
         groups, stack = [], None
-        for batch in itertools.islice(self._prefetcher, k):
+        source = self._prefetcher
+        if self._ahead is not None:
+            source, self._ahead = itertools.chain([self._ahead], source), None
+        for batch in itertools.islice(source, k):
             self._given += 1
             if stack is not None and stack.add(batch):
                 continue
@@ -211,14 +219,33 @@ class DistributedIterator(Checkpointable):
         """Stop prefetching; the iterator ends."""
         self._prefetcher.close()
 
-    # -- checkpoints (core.checkpointable) --------------------------------------------------------
+    # -- checkpoints (core.checkpointable; data/positions.py) -------------------------------------
+    def given(self) -> int:
+        """Elements given in this pass, less one taken for a call that has not run yet (see
+        ``elements_not_used``): the position a checkpoint saves."""
+        if self._last is not None and any(id(self._last) in ids for ids in _UNUSED):
+            return self._given - 1  # given again after a restore
+        return self._given
+
+    def at_end(self) -> bool:
+        """Whether this pass has no element left (the next is read ahead, and kept, if need
+        be; every worker asks at the same point, so their exchanges stay paired)."""
+        if not self._ended and self._ahead is None:
+            try:
+                self._ahead = next(self._prefetcher)
+            except StopIteration:
+                self._ended = True
+        return self._ended
+
     def checkpoint_state(self) -> np.ndarray:
-        """The position saved in a checkpoint: ``[format, elements given, input pipelines,
-        each pipeline its own data]`` (int64). Across workers every worker must have given
-        as many elements (they are agreed, as the save is).
+        """The position a checkpoint saves (``data/positions.py``).
 
         Returns:
             A NumPy int64 array of shape (4,).
+
+        Raises:
+            ValueError: a newer pass over the dataset was made since this one (save the
+                dataset, or the iterator training reads), or the dataset is one-shot.
 
         Example:
             >>> import numpy as np, jaxmirror
@@ -228,40 +255,22 @@ class DistributedIterator(Checkpointable):
             >>> it.checkpoint_state().tolist()
             [1, 1, 1, 0]
         """
-        pipelines, own = self._dataset.input_pipelines
-        given = self._given
-        if self._last is not None and any(id(self._last) in ids for ids in _UNUSED):
-            given -= 1  # taken for a call that has not run: given again after a restore
-        if ledger.active():
-            ledger.agree("DistributedIterator position", f"{given} elements given")
-        return np.array([_STATE_FORMAT, given, pipelines, int(own)], np.int64)
+        if self._dataset.latest_iterator() is not self:
+            raise ValueError(
+                "jaxmirror.checkpoint.save: the DistributedIterator in the checkpoint is not "
+                "the latest pass over its dataset (iter() was called on the dataset since, "
+                "e.g. once per epoch), so its position is not where training is; put the "
+                "distributed dataset itself in the checkpoint (its latest pass is saved, and "
+                "the first iter() after a restore continues it), or the iterator you train "
+                "from.")
+        return positions.state(self.given(), self._dataset)
 
     def checkpoint_shape_dtype(self) -> tuple:
-        return (4,), np.dtype(np.int64)
+        return positions.SHAPE_DTYPE
 
     def check_checkpoint_state(self, state) -> None:
-        """Raise ``ValueError`` unless ``state`` is an iterator position this dataset can
-        take (see ``checkpoint_state``)."""
-        state = np.asarray(state)
-        if state.shape != (4,) or int(state[0]) != _STATE_FORMAT or int(state[1]) < 0:
-            raise ValueError(f"jaxmirror.checkpoint.restore: the value saved for a "
-                             f"DistributedIterator is {state.tolist()}, not an iterator "
-                             f"position; restore a checkpoint that saved an iterator here.")
-        pipelines, own = self._dataset.input_pipelines
-        if bool(state[3]) and int(state[2]) != pipelines:
-            raise ValueError(
-                f"jaxmirror.checkpoint.restore: the DistributedIterator was saved with "
-                f"{int(state[2])} input pipelines each reading its own data, and this "
-                f"dataset has {pipelines}; a position in per-worker data means the same "
-                f"elements only with as many pipelines: restore onto as many workers (or "
-                f"replicas), or distribute global batches with experimental_distribute_dataset "
-                f"(any number of workers).")
-        if own and not bool(state[3]):
-            raise ValueError(
-                f"jaxmirror.checkpoint.restore: the DistributedIterator was saved over global "
-                f"batches read by every worker, and this dataset has {pipelines} input "
-                f"pipelines each reading its own data; restore into an iterator of the same "
-                f"kind of dataset.")
+        """Raise ``ValueError`` unless ``state`` is a position this dataset can take."""
+        positions.check(state, self._dataset)
 
     def restore_checkpoint_state(self, state) -> None:
         """Continue after the ``state[1]``-th element of a new pass (the batches are read
@@ -276,9 +285,8 @@ class DistributedIterator(Checkpointable):
             >>> [s.experimental_local_results(b)[0].tolist() for b in it]
             [[2], [3]]
         """
-        self.check_checkpoint_state(state)
+        skip = positions.check(state, self._dataset)
         self._prefetcher.close()
-        fresh = self._dataset.iterator_at(int(state[1]))
+        fresh = self._dataset.iterator_at(skip, adopted_by=self)
         self._prefetcher, self._place, self._stack = fresh._prefetcher, fresh._place, fresh._stack
-        self._given, self._last = fresh._given, None
-
+        self._given, self._last, self._ahead, self._ended = skip, None, None, False

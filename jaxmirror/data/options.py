@@ -186,3 +186,14 @@ class InputContext:
     def __str__(self) -> str:
         return (f"jaxmirror.InputContext(input pipeline id {self.input_pipeline_id}, total: "
                 f"{self.num_input_pipelines})")
+
+
+def check_options(options, what: str) -> InputOptions:
+    """``options``, or the default ``InputOptions()`` for ``None``; raises ``ValueError`` for
+    anything else (``what`` names the API)."""
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise ValueError(f"{what}: `options` must be a jaxmirror.InputOptions or None; got "
+                         f"{type(options).__name__}.")
+    return options

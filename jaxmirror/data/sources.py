@@ -102,3 +102,21 @@ def epoch_factory(dataset, what: str):
         return fresh
     raise ValueError(f"{what}: `dataset` must be an iterable of batches, a function returning "
                      f"one, or a grain/tf.data/torch dataset; got {type(dataset).__name__}.")
+
+
+def peeked(factory, read_first, what):
+    """``factory`` after its source's first batch was read: one-shot sources get it back.
+
+    Args:
+        factory: a dataset's epoch factory (``sources.epoch_factory``).
+        read_first: the dataset's ``_read_first``.
+        what: the API name, for errors.
+
+    Returns:
+        A factory whose next epoch starts with the batch already read.
+    """
+    if isinstance(factory, OneShot):
+        source = read_first(factory())
+        return OneShot(source, what)
+    read_first(factory())
+    return factory

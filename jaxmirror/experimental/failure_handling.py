@@ -129,7 +129,8 @@ class PreemptionCheckpointHandler:
     ``run``. When any worker gets SIGTERM (or ``termination_watcher_fn`` says so), every worker
     saves at the same ``run`` call, before its step runs, and calls ``exit_fn`` (``sys.exit(42)``
     by default). An iterator in the checkpoint is saved before the element passed to that call,
-    so ``handler.run(step, next(iterator))`` loses no batch. Build it on every worker, after the
+    so ``handler.run(step, next(iterator))`` loses no batch (with TF's iterator per epoch, put
+    the distributed dataset in the checkpoint instead). Build it on every worker, after the
     model and the iterator.
 
     Args:
@@ -297,6 +298,10 @@ class PreemptionCheckpointHandler:
                 reached = self._notice.is_set()
             if not reached:
                 return
+            print(f"jaxmirror: preemption: saving a checkpoint at run call "
+                  f"{self._calls.count}" + (", training on in the grace period" if self._grace
+                                            > 0 else ", then exiting"), file=sys.stderr,
+                  flush=True)
             self._final = check
             if self._grace > 0:  # TF's way: save now, train on, save again before the end
                 self._save(unused_args, save_args)

@@ -31,12 +31,18 @@ from jaxmirror.variables.variable import Variable
 
 _API = mfiles.API
 _RESERVED = ("checkpoint", "save_counter")
-_NUMBERS = (int, float, np.integer, np.floating, jax.Array, np.ndarray, Variable, VariableHandle)
+# A step: a number, an array, a jaxmirror variable, or a flax NNX variable (an optimizer's
+# `step`, TF's `optimizer.iterations`), read each time it is needed.
+_NUMBERS = (int, float, np.integer, np.floating, jax.Array, np.ndarray, Variable, VariableHandle,
+            nnx.Variable)
 
 
 def _evaluate(x, what: str, api: str) -> int:
     """``x`` (a number, or a scalar variable or array) as an int."""
-    value = x.read_value() if isinstance(x, (Variable, VariableHandle)) else x
+    if isinstance(x, nnx.Variable):
+        value = x.get_value()
+    else:
+        value = x.read_value() if isinstance(x, (Variable, VariableHandle)) else x
     value = np.asarray(value) if isinstance(value, _NUMBERS) else None
     if (isinstance(x, bool) or value is None or value.shape != ()
             or value.dtype.kind not in "iuf"):
@@ -44,6 +50,11 @@ def _evaluate(x, what: str, api: str) -> int:
                         f"one, got {type(x).__name__} {x!r}; give an int or an integer "
                         f"jaxmirror.Variable.")
     return int(value)
+
+
+def _shape_of(x) -> tuple:
+    x = x.get_value() if isinstance(x, nnx.Variable) else x
+    return tuple(getattr(x, "shape", ()))
 
 
 def _check_args(directory, max_to_keep, hours, name, step_counter, interval, init_fn) -> None:
@@ -67,7 +78,7 @@ def _check_args(directory, max_to_keep, hours, name, step_counter, interval, ini
          "given without `step_counter` (TF's rule too)", "pass the step variable as "
          "`step_counter`"),
         (step_counter is None or (not isinstance(step_counter, bool) and isinstance(
-            step_counter, _NUMBERS) and getattr(step_counter, "shape", ()) == ()), TypeError,
+            step_counter, _NUMBERS) and _shape_of(step_counter) == ()), TypeError,
          f"`step_counter` must be an int or a scalar variable or array, got "
          f"{type(step_counter).__name__} {step_counter!r}", "give the step variable"),
         (init_fn is None or callable(init_fn), TypeError, f"`init_fn` must be callable or None, "
@@ -135,7 +146,8 @@ class CheckpointManager:
     ``track``. A manager made on an existing directory takes its checkpoints back, even if a
     save was killed at any point (the newest complete checkpoint is the latest). Restore the
     latest with ``restore_or_initialize`` (TF's way) or ``restore``. With several workers every
-    worker makes the manager and calls it in the same order, as in TF.
+    worker makes the manager and calls it in the same order, as in TF. As in TF, use one
+    manager per directory (the state file is the directory's).
 
     Args:
         checkpoint: the tree to save, as ``jaxmirror.checkpoint.save`` takes it (variables,
