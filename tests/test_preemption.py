@@ -25,10 +25,10 @@ GLOBAL = 8
 
 
 def _launch(tmp_path, name, workers, devices, *, restarts=0, save_every=0, kill=None,
-            env=None):
+            env=None, earliest=2):
     """Run the training; ``kill=(signal, worker)`` is sent to that worker of the first attempt
-    once the chief has made a random number of calls. Returns (exit code, output, out dir,
-    calls made when the signal was sent)."""
+    once the chief has made a random number of calls (``earliest`` at least). Returns (exit
+    code, output, out dir, calls made when the signal was sent)."""
     out = tmp_path / name
     out.mkdir()
     command = [sys.executable, "-m", "jaxmirror.launch", "--workers", str(workers),
@@ -40,7 +40,7 @@ def _launch(tmp_path, name, workers, devices, *, restarts=0, save_every=0, kill=
     at = None
     try:
         if kill is not None:
-            at = random.Random(os.getpid()).randint(2, STEPS - 8)
+            at = random.Random(os.getpid()).randint(earliest, STEPS - 8)
             sig, victim = kill  # victim: a worker's index, or ("group", index)
             progress, deadline = out / "progress-0", time.monotonic() + 150
             while time.monotonic() < deadline and proc.poll() is None:
@@ -82,7 +82,8 @@ def uninterrupted(tmp_path_factory):
     def get(workers, devices):
         if (workers, devices) not in runs:
             tmp = tmp_path_factory.mktemp(f"plain{workers}x{devices}")
-            code, text, out, _ = _launch(tmp, "run", workers, devices, save_every=3)
+            code, text, out, _ = _launch(tmp, "run", workers, devices, save_every=3,
+                                         env={"PREEMPTION_TEST_SLEEP": "0"})
             assert code == 0, text[-4000:]
             runs[workers, devices] = np.load(out / "final-0.npy")
         return runs[workers, devices]
@@ -128,7 +129,7 @@ def test_sigterm_saves_everywhere_at_one_step_and_the_restart_resumes_exactly(
 
 def test_sigkill_resumes_from_the_last_periodic_checkpoint(tmp_path, uninterrupted):
     code, text, out, at = _launch(tmp_path, "run", 2, 2, restarts=1, save_every=3,
-                                  kill=(signal.SIGKILL, 1))
+                                  kill=(signal.SIGKILL, 1), earliest=4)  # after a save
     assert code == 0, text[-4000:]
     assert "restarting the group" in text and "SIGKILL" in text, text[-4000:]
     start = {int((out / f"start-{w}-1").read_text()) for w in range(2)}
@@ -145,7 +146,7 @@ def test_a_restart_onto_another_number_of_workers_continues_every_example_once(
     code, text, out, _ = _launch(tmp_path, "first", 2, 2, kill=(signal.SIGTERM, 0))
     assert code == 42, text[-4000:]
     saved = int((out / "exit-0-0").read_text())
-    code, text, out2, _ = _launch(tmp_path, "second", 4, 1)
+    code, text, out2, _ = _launch(tmp_path, "second", 4, 1, env={"PREEMPTION_TEST_SLEEP": "0"})
     assert code == 0, text[-4000:]
     assert {int((out2 / f"start-{w}-0").read_text()) for w in range(4)} == {saved}
     ids = _ids(_seen(out, 2, 0)) + _ids(_seen(out2, 4, 0))

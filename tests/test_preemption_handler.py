@@ -106,9 +106,30 @@ def test_save_fn_replaces_the_managers_save_and_save_checkpoint_if_preempted_cou
         handler.save_checkpoint_if_preempted()
     assert handler.total_run_calls == 2
     os.kill(os.getpid(), signal.SIGTERM)
+    step(next(iterator))
     handler.save_checkpoint_if_preempted()
     assert saved == [1] and handler.total_run_calls == 3
     assert handler._manager.latest_checkpoint is None  # save_fn saved instead
+
+
+def test_save_checkpoint_if_preempted_saves_the_step_just_made(tmp_path):
+    s = strategy(2)
+    w, iterator, handler, step = _setup(s, tmp_path / "ck")
+    for k in range(3):
+        step(next(iterator))
+        if k == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        try:
+            handler.save_checkpoint_if_preempted()
+        except SystemExit:
+            break
+    w2, iterator2, handler2, step2 = _setup(s, tmp_path / "ck")
+    # Three steps in the checkpoint, and three counted: the restart does not train one twice.
+    assert handler2.total_run_calls == 3 and float(w2.numpy()) == float(w.numpy())
+    while handler2.total_run_calls < STEPS:
+        step2(next(iterator2))
+        handler2.save_checkpoint_if_preempted()
+    assert float(w2.numpy()) == _uninterrupted()
 
 
 def test_a_grace_period_saves_at_once_trains_on_and_saves_again_before_it_ends(tmp_path):

@@ -236,14 +236,15 @@ class PreemptionCheckpointHandler:
 
     def save_checkpoint_if_preempted(self, *args, **kwargs) -> None:
         """For loops that do not call ``run``: call once per step, after it; saves and exits
-        at the agreed step. Counts as a call of ``run``.
+        at the agreed step. Counts as a call of ``run`` (counted before the save: the step
+        before it is in the checkpoint).
 
         Args:
             *args: passed to the checkpoint manager's ``save``.
             **kwargs: passed to the checkpoint manager's ``save``.
         """
-        self._check((), (args, kwargs))
         self._calls.count += 1
+        self._check((), (args, kwargs))
 
     @contextlib.contextmanager
     def watch_preemption_scope(self):
@@ -298,10 +299,9 @@ class PreemptionCheckpointHandler:
                 reached = self._notice.is_set()
             if not reached:
                 return
+            then = "training on in the grace period" if self._grace > 0 else "then exiting"
             print(f"jaxmirror: preemption: saving a checkpoint at run call "
-                  f"{self._calls.count}" + (", training on in the grace period" if self._grace
-                                            > 0 else ", then exiting"), file=sys.stderr,
-                  flush=True)
+                  f"{self._calls.count}, {then}", file=sys.stderr, flush=True)
             self._final = check
             if self._grace > 0:  # TF's way: save now, train on, save again before the end
                 self._save(unused_args, save_args)
