@@ -35,10 +35,12 @@ def _setup(s, directory, steps=STEPS, **config):
                                               max_to_keep=2)
     handler = PHandler(None, manager, termination_config=Config(**config) if config else None)
 
-    def step(batch):
+    def replica_step(x):
         # w <- 0.5 w + mean(batch): the order of the batches shows in the result
-        return s.run(lambda x: w.assign(0.5 * w + jm.get_replica_context().all_reduce(
-            "sum", x.sum()) / 4.0), args=(batch,))
+        return w.assign(0.5 * w + jm.get_replica_context().all_reduce("sum", x.sum()) / 4.0)
+
+    def step(batch):
+        return s.run(replica_step, args=(batch,))
 
     return w, iterator, handler, step
 
