@@ -113,16 +113,6 @@ def _check_leaves(tree, api: str, what: str, in_place: bool = False) -> None:
             raise ValueError(f"{api}: {what} cannot be saved: {error}") from None
 
 
-def _chief_decides(call: str, detail: str, decide) -> dict:
-    """``decide()`` on the chief, handed to every worker (its error raised on every worker)."""
-    if not ledger.active():
-        return decide()
-    decision = workers.decided_by_chief(jax.process_index() == 0, decide)
-    decision = ledger.agree(call, detail, decision)[0]
-    workers.raise_decided(decision)
-    return decision
-
-
 def _top_metadata(path: str, api: str) -> dict:
     """The checkpoint's tree of array metadata, by top-level key."""
     import orbax.checkpoint as ocp  # on first use, as jaxmirror.checkpoint does
@@ -204,7 +194,7 @@ class CheckpointManager:
         self._tracked = {}
         call = f"{_API}.__init__"
         with ledger.named(call):
-            self._state = _chief_decides(call, f"{self._directory} {checkpoint_name}",
+            self._state = workers.chief_decides(call, f"{self._directory} {checkpoint_name}",
                                          lambda: mfiles.recovered(self._directory, checkpoint_name))
 
     @property
@@ -332,7 +322,7 @@ class CheckpointManager:
         tree = {**self._tracked, "checkpoint": self._tree, "save_counter": np.int64(counter)}
         with ledger.named(api):
             ckpt.save(path, tree, force=True)
-            self._state = _chief_decides(api, rel, lambda: mfiles.recorded_and_swept(
+            self._state = workers.chief_decides(api, rel, lambda: mfiles.recorded_and_swept(
                 self._directory, self._name, self._state, rel, self._max_to_keep, self._hours))
         self._save_counter = counter
         if step is not None:

@@ -37,11 +37,9 @@ def save(ocp, path: str, saveable, force: bool) -> None:
         FileExistsError: as ``checkpoint.save``, on every worker.
     """
     chief = jax.process_index() == 0
-    decision = decided_by_chief(chief, lambda: _prepare_save(path, force))
     shapes = [f"{np.dtype(x.dtype).name}{list(np.shape(x))}" for x in jax.tree.leaves(saveable)]
-    decision = ledger.agree("jaxmirror.checkpoint.save", f"{path} {shapes}", decision)[0]
-    raise_decided(decision)
-    new = decision["new"]
+    new = chief_decides("jaxmirror.checkpoint.save", f"{path} {shapes}",
+                        lambda: _prepare_save(path, force))["new"]
     try:
         # Orbax coordinates the workers writing `new` (each its own shards; the chief renames
         # orbax's temporary directory to `new` once all are written).
@@ -82,6 +80,30 @@ def decided_by_chief(chief: bool, decide):
         return decide()
     except (FileExistsError, FileNotFoundError, ValueError, OSError) as error:
         return {"error": [type(error).__name__, str(error)]}
+
+
+def chief_decides(call: str, detail: str, decide) -> dict:
+    """``decide()`` on the chief, handed to every worker through the ledger as ``call``; the
+    chief's error is raised on every worker. In one process, ``decide()`` itself.
+
+    Args:
+        call: the call every worker makes (``ledger.agree``'s).
+        detail: what must match across workers.
+        decide: the chief's decision, a function returning a JSON-serializable dict.
+
+    Returns:
+        The chief's decision.
+
+    Example:
+        >>> chief_decides("doc", "", lambda: {"new": "x"})
+        {'new': 'x'}
+    """
+    if not ledger.active():
+        return decide()
+    decision = decided_by_chief(jax.process_index() == 0, decide)
+    decision = ledger.agree(call, detail, decision)[0]
+    raise_decided(decision)
+    return decision
 
 
 def raise_decided(decision: dict) -> None:
@@ -130,8 +152,8 @@ def agree_restore(path: str) -> None:
     Args:
         path: the checkpoint directory.
     """
-    decision = decided_by_chief(jax.process_index() == 0, lambda: prepare_restore(path))
-    raise_decided(ledger.agree("jaxmirror.checkpoint.restore", path, decision)[0])
+    chief_decides("jaxmirror.checkpoint.restore", path, lambda: prepare_restore(path))
 
 
-__all__ = ["agree_restore", "prepare_restore", "save"]
+__all__ = ["agree_restore", "chief_decides", "decided_by_chief", "prepare_restore",
+           "raise_decided", "save"]
