@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test docs bench clean
+.PHONY: install demo test docs docs-check bench clean
 
 install: $(STAMP)
 
@@ -25,6 +25,17 @@ test: install
 # offline into build/docs/index.html; any Sphinx warning fails it.
 docs: install
 	$(PY) -m sphinx -W --keep-going -b html docs build/docs
+
+# The built pages in a headless browser: nothing sticks out on the right, every #anchor resolves.
+# Needs Chromium on the machine (apt-get install chromium); not part of `make test` or CI.
+DOCS_CHECK_STAMP := $(VENV)/.installed-docs-check
+
+$(DOCS_CHECK_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,docs-check]'
+	touch $(DOCS_CHECK_STAMP)
+
+docs-check: docs $(DOCS_CHECK_STAMP)
+	$(PY) docs/check_pages.py build/docs
 
 # TensorFlow (the `bench` extra) only for benchmarks/vs_tensorflow.py; tests never need it.
 BENCH_STAMP := $(VENV)/.installed-bench

@@ -40,5 +40,6 @@ autodoc_preserve_defaults = True
 
 html_theme = "furo"
 html_title = "jaxmirror"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["jaxmirror.css"]  # docs/_static: long table cells wrap
 default_role = "py:obj"  # `Name` in a docstring: a link when Name is documented, else code

@@ -386,7 +386,17 @@ def placed_values(strategy):
                                                   "b": np.arange(2, dtype=np.int32)})
     scalar = strategy.extended.placement.replicate(1.5 + me)  # a number: weakly typed, as JAX
     total = strategy.run(lambda: jm.get_replica_context().all_reduce("SUM", differs.read_value()))
-    return {"differs": np.asarray(differs.read_value()), "same": np.asarray(same.read_value()),
+    # A host value of each worker, reduced: TF all-reduces it across the workers.
+    host, ext = 1.0 + me, strategy.extended
+    reduced = {"mean": float(strategy.reduce("MEAN", host, axis=None)),
+               "mean_to": float(ext.reduce_to("MEAN", host, destinations=differs)),
+               "sum_axis": float(strategy.reduce("SUM", np.array([host, 2 * host]), axis=0))}
+    try:
+        reduced["sum"] = float(strategy.reduce("SUM", host, axis=None))
+        reduced["sum_to"] = float(ext.reduce_to("SUM", host, destinations=differs))
+    except ValueError as e:  # several replicas on this worker: identical copies, as on one
+        reduced["sum"] = str(e)
+    return {"reduced": reduced,"differs": np.asarray(differs.read_value()), "same": np.asarray(same.read_value()),
             "a": np.asarray(replicated["a"]), "b": np.asarray(replicated["b"]),
             "scalar": float(scalar), "scalar_weak": bool(scalar.weak_type),
             "scalar_times_bf16": str((scalar * jnp.ones(1, jnp.bfloat16)).dtype),

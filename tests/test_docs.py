@@ -6,7 +6,11 @@ makes every socket connection to a non-loopback address, and every name lookup o
 fetched anything (intersphinx, an image) would fail the ``-W`` build. The generated API pages
 must hold an entry for every name of every public module's ``__all__`` (a name whose
 docstring does not render, or that autodoc cannot import, is caught here), and no inline
-literal left open (a run of text set as code up to the next double backquote).
+literal left open (a run of text set as code up to the next double backquote). Every link to an
+``#id`` of the site finds its target; a class shows the members it inherits from jaxmirror classes
+(``MirroredStrategy``: ``run``, ``reduce``, ``scope``); the API reference is one page per public
+module, ``jaxmirror`` first, and that page starts with the strategies (``CrossDeviceOps``'s
+internals last). ``docs/check_pages.py`` checks the same pages in a browser (``make docs-check``).
 
 The pages' runnable code (their ``python`` blocks and the ``jaxmirror`` halves of the porting
 guide's pairs) is run too, page by page, on 8 simulated CPU devices; the parameter-server guide
@@ -20,7 +24,9 @@ import runpy
 import subprocess
 import sys
 import types
+from html import unescape
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -184,3 +190,81 @@ def test_the_pages_code_runs(tmp_path, page):
                          capture_output=True, text=True, timeout=CODE_TIMEOUT)
     assert run.returncode == 0, (f"{page}.md's code failed:\n{run.stdout[-3000:]}\n"
                                  f"{run.stderr[-5000:]}")
+
+
+def broken_anchors(html: Path) -> list[str]:
+    """Every ``href="#id"`` / ``href="page.html#id"`` of the site whose target id is missing."""
+    ids = {page: set(re.findall(r'\bid="([^"]+)"', page.read_text()))
+           for page in html.rglob("*.html")}
+    broken = []
+    for page in ids:
+        for href in re.findall(r'href="([^"]*#[^"]*)"', page.read_text()):
+            if re.match(r"[a-z]+:", href):  # http:, mailto:: outside the site
+                continue
+            target, _, fragment = unescape(href).partition("#")
+            target = (page.parent / unquote(target)).resolve() if target else page
+            if target not in ids or (fragment and unquote(fragment) not in ids[target]):
+                broken.append(f"{page.relative_to(html)}: {href}")
+    return broken
+
+
+def test_every_link_to_an_anchor_finds_it(built):
+    html, _ = built
+    assert broken_anchors(html) == []
+
+
+def entry_ids(page: Path, name: str) -> set[str]:
+    """The ids of the members documented in the entry of ``name`` on ``page``."""
+    prefix = re.escape(name + ".")
+    return {m[len(name) + 1:] for m in re.findall(rf'id="({prefix}[\w.]+)"', page.read_text())}
+
+
+@pytest.mark.parametrize("name, base, members", [
+    ("MirroredStrategy", "Strategy", {"run", "reduce", "scope", "experimental_distribute_dataset",
+                                      "num_replicas_in_sync", "extended"}),
+    ("OneDeviceStrategy", "Strategy", {"run", "reduce", "scope", "gather"}),
+    ("MirroredVariable", "Variable", {"assign", "assign_add", "read_value", "value"}),
+    ("NcclAllReduce", "CrossDeviceOps", {"reduce", "batch_reduce", "broadcast"}),
+])
+def test_a_class_shows_what_it_inherits_and_links_its_base(built, name, base, members):
+    html, _ = built
+    page = html / "api" / "jaxmirror.html"
+    assert members <= entry_ids(page, f"jaxmirror.{name}")
+    assert entry_ids(page, f"jaxmirror.{name}") >= entry_ids(page, f"jaxmirror.{base}") & members
+    text = page.read_text()
+    entry = text[text.index(f'id="jaxmirror.{name}"'):]
+    bases = re.search(r"<p>Bases: (.*?)</p>", entry[:entry.index("</dt>") + 2000], re.S)
+    assert bases and f'href="#jaxmirror.{base}"' in bases.group(1), entry[:1500]
+
+
+def test_the_api_reference_is_one_page_per_module_starting_with_the_strategies(built):
+    html, _ = built
+    index = (html / "api" / "index.html").read_text()
+    index = index[index.index('id="api-reference"'):]  # the page's toctree, not the sidebar's
+    order = re.findall(r'<li class="toctree-l1"><a class="reference internal" '
+                       r'href="(jaxmirror[\w.]*)\.html"', index)
+    assert order[:3] == ["jaxmirror", "jaxmirror.checkpoint", "jaxmirror.experimental"], order
+    assert sorted(order) == sorted(_public_modules())
+    page = (html / "api" / "jaxmirror.html").read_text()
+    first = ["MirroredStrategy", "Strategy", "ReplicaContext", "PerReplica", "Mirrored",
+             "Variable", "MirroredVariable", "DistributedDataset", "DistributedIterator",
+             "CrossDeviceOps", "NcclAllReduce"]
+    where = [page.index(f'id="jaxmirror.{name}"') for name in first]
+    assert where == sorted(where), dict(zip(first, where))
+    entries = re.findall(r'<dt class="sig sig-object py" id="jaxmirror\.(\w+)"', page)
+    assert entries[0] == "MirroredStrategy", entries
+    headings = re.findall(r"<h2>(.*?)<a", page)
+    assert headings[:2] == ["Strategies", "Running a step: replica context and reduce"], headings
+    assert headings[-1] == "Submodules", headings
+    for modname in _public_modules()[1:]:  # the other modules: their own pages, not this one
+        assert f'id="module-{modname}"' not in page
+
+
+def test_long_words_in_table_cells_wrap(built):
+    """The feature table's test names would otherwise make it 2 to 3 page widths wide, its last
+    columns off the page (docs/check_pages.py measures it in a browser)."""
+    html, _ = built
+    features = (html / "features.html").read_text()
+    assert 'href="_static/jaxmirror.css' in features
+    rule = (html / "_static" / "jaxmirror.css").read_text()
+    assert re.search(r"table\.docutils td[^{]*\{[^}]*overflow-wrap: anywhere", rule, re.S), rule

@@ -183,3 +183,12 @@ def test_values_workers_give_differently_take_the_chiefs_as_tf(workers, devices)
         np.testing.assert_array_equal(got["total"], np.zeros(3))  # every replica holds 0s
         assert got["scalar"] == 1.5  # the chief's number
         assert got["scalar_weak"] and got["scalar_times_bf16"] == "bfloat16"  # as one process
+        # A host value of each worker (1.0 + its index), reduced across the workers as TF.
+        hosts = [1.0 + w for w in range(workers)]
+        reduced = got["reduced"]
+        assert reduced["mean"] == reduced["mean_to"] == np.mean(hosts)
+        assert reduced["sum_axis"] == devices * 3 * sum(hosts)  # each replica sums [v, 2v]
+        if devices == 1:  # TF's case: one replica per worker, 2 workers of 1.0 give 2.0
+            assert reduced["sum"] == reduced["sum_to"] == sum(hosts)
+        else:  # copies on this worker's replicas: refused, as on one worker
+            assert "cannot be reduced" in reduced["sum"] and "2 replicas" in reduced["sum"]

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import jaxmirror as jm
-from ps_helpers import TIMEOUT, descendants, joined, local_cluster
+from ps_helpers import (OWN, STARTUP_TIMEOUT, TIMEOUT, joined, left_after_shutdown,
+                        local_cluster, own_processes)
 from jaxmirror.coordinator import shipping
 from jaxmirror.experimental import partitioners
 from jaxmirror.experimental.coordinator import (
@@ -40,7 +41,7 @@ def strategy(resolver):
 @pytest.fixture(scope="module")
 def coordinator(strategy):
     c = ClusterCoordinator(strategy)
-    strategy.extended.ray_cluster.wait_ready(TIMEOUT)
+    strategy.extended.ray_cluster.wait_ready(STARTUP_TIMEOUT)
     return c
 
 
@@ -403,9 +404,8 @@ def test_bad_arguments(strategy, coordinator):
 
 
 def test_ray_is_gone_after_shutdown(resolver):
-    assert any("raylet" in p or "gcs_server" in p for p in descendants())  # the check sees Ray
+    before, raylets = OWN[id(resolver)]
+    mine = own_processes(before, raylets)
+    assert any("raylet" in p for p in mine) and any("gcs_server" in p for p in mine)
     resolver.shutdown()
-    deadline = time.monotonic() + 30
-    while descendants() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not descendants()
+    assert left_after_shutdown(resolver) == []

@@ -7,6 +7,15 @@ submodule), so a name added to ``__all__`` appears without editing the docs. A n
 several public modules (``MultiWorkerMirroredStrategy`` is also ``experimental.``) is documented
 once, where it is first reached from ``jaxmirror``; the other modules list it as an alias.
 
+A long page can be cut into topics: ``:names: A, B`` renders only those names, in that order
+(under the page's own ``##`` heading), and a last ``:rest:`` directive every name of ``__all__``
+that no ``:names:`` of the page took, so a new name still appears. The module's docstring comes
+with the page's first directive (``:names:`` with no names: the docstring alone).
+
+A class shows every member it has, those it inherits from jaxmirror classes included
+(``MirroredStrategy`` lists ``run``, ``reduce``, ``scope``), and names its bases by their public
+names (``Bases: jaxmirror.Strategy``, a link).
+
 Every public module (``jaxmirror`` and the modules reachable through ``__all__``) must have its
 page ``docs/api/<module>.md``; a missing one is a build warning (an error under ``-W``).
 """
@@ -16,10 +25,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 import types
 from pathlib import Path
 
 from docutils import nodes
+from docutils.parsers.rst import directives
 from docutils.statemachine import StringList
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
@@ -85,6 +96,7 @@ class JaxmirrorApi(SphinxDirective):
 
     required_arguments = 1
     has_content = False
+    option_spec = {"names": directives.unchanged, "rest": directives.flag}
 
     def run(self):
         modname = self.arguments[0]
@@ -92,10 +104,26 @@ class JaxmirrorApi(SphinxDirective):
         if not hasattr(module, "__all__"):
             raise self.error(f"{modname} has no __all__")
         canonical = canonical_names()
-        lines = [f".. automodule:: {modname}", ""]
+        # What the page's earlier directives took (temp_data: this document's reading only).
+        taken = self.env.temp_data.setdefault("jaxmirror_api_taken", {})
+        lines = [] if modname in taken else [f".. automodule:: {modname}", ""]
+        done = taken.setdefault(modname, set())
+        if "names" in self.options:
+            names = [n.strip() for n in self.options["names"].split(",") if n.strip()]
+            wrong = [n for n in names if n not in module.__all__ or n in done]
+            if wrong:
+                raise self.error(f"jaxmirror-api {modname}: {wrong} not in __all__, or listed "
+                                 "twice on the page; list each name of __all__ once")
+            done.update(names)
+            for name in names:
+                obj = getattr(module, name)
+                lines += self._entry(modname, name, obj, _kind(obj), canonical)
+            return self._parse(lines, modname)
         by_kind: dict[str, list[str]] = {}
         for name in module.__all__:
-            by_kind.setdefault(_kind(getattr(module, name)), []).append(name)
+            if "rest" not in self.options or name not in done:
+                by_kind.setdefault(_kind(getattr(module, name)), []).append(name)
+        done.update(module.__all__)
         for kind, title in SECTIONS:
             names = by_kind.get(kind)
             if not names:
@@ -103,6 +131,9 @@ class JaxmirrorApi(SphinxDirective):
             lines += [f".. rubric:: {title}", ""]
             for name in names:
                 lines += self._entry(modname, name, getattr(module, name), kind, canonical)
+        return self._parse(lines, modname)
+
+    def _parse(self, lines, modname):
         content = StringList(lines, source=f"<jaxmirror-api {modname}>")
         container = nodes.container()
         self.state.nested_parse(content, self.content_offset, container)
@@ -128,11 +159,12 @@ class JaxmirrorApi(SphinxDirective):
             return [f".. py:{directive}:: {name}{sig}", f"   :module: {modname}", "",
                     f"   The same object as :py:{role}:`{home}`.", ""]
         if kind in ("class", "exception"):
-            # Members a class gets from private jaxmirror bases (Strategy's input methods, a
-            # variable's operators) are shown with it; those of public bases (documented on
-            # their own) and of other libraries' (object, Enum, flax's BatchNorm) are not.
-            # (Sphinx filters an inherited member by the name of the class that defines it.)
-            documented = [b for b in obj.__mro__[1:] if id(b) in canonical or not _ours(b)]
+            # Members a class gets from jaxmirror bases, public (MirroredStrategy's run, reduce
+            # and scope, from Strategy) or private (Strategy's input methods, a variable's
+            # operators), are shown with it, as TF's pages do; those of other libraries' bases
+            # (object, Enum, flax's BatchNorm) are not. (Sphinx filters an inherited member by
+            # the name of the class that defines it.)
+            documented = [b for b in obj.__mro__[1:] if not _ours(b)]
             skip = sorted({a.__name__ for b in documented for a in b.__mro__})
             return [f".. auto{kind}:: {full}", "   :members:",
                     f"   :inherited-members: {', '.join(skip)}", "   :show-inheritance:",
@@ -211,9 +243,50 @@ def _check_pages(app):
     srcdir = Path(app.srcdir)
     for modname in public_modules():
         page = srcdir / f"{page_of(modname)}.md"
-        if not page.exists() or f".. jaxmirror-api:: {modname}\n" not in page.read_text():
+        text = page.read_text() if page.exists() else ""
+        if f".. jaxmirror-api:: {modname}\n" not in text:
             logger.warning(f"jaxmirror-api: the public module {modname} has no API page: add "
                            f"{page_of(modname)}.md (as the other pages in api/ are written)")
+        elif ":names:" in text and ":rest:" not in text:
+            logger.warning(f"jaxmirror-api: {page_of(modname)}.md lists names by topic "
+                           "(:names:) but has no :rest: directive; end it with one, so that a "
+                           "name added to __all__ is shown")
+
+
+_BACKLINK = re.compile(r'(<a class="viewcode-back" href=")([^"#]*)#([^"]+)(")')
+
+
+def _fix_backlinks(app, pagename, templatename, context, doctree):
+    """Point the source pages' ``[docs]`` links at the entry where each object is documented.
+
+    Sphinx's viewcode builds them as ``page#<module>.<name>`` with one ``<module>`` and the last
+    page per source module; here a source module's objects are documented under several public
+    modules (``jaxmirror.data.options``: ``jaxmirror.InputOptions`` and
+    ``jaxmirror.experimental.AutoShardPolicy``) and under aliases, so the link is rebuilt from
+    the object's public name and the page the Python domain records for it.
+    """
+    if not pagename.startswith("_modules/") or 'class="viewcode-back"' not in context.get(
+            "body", ""):
+        return  # not a source page (the _modules/ index has no [docs] links)
+    source = importlib.import_module(pagename[len("_modules/"):].replace("/", "."))
+    objects = app.env.get_domain("py").objects
+    canonical = canonical_names()
+
+    def fix(match):
+        head, _, fragment, tail = match.groups()
+        for modname in sorted(public_modules(), key=len, reverse=True):
+            if not fragment.startswith(modname + "."):
+                continue
+            qualname = fragment[len(modname) + 1:]
+            first, _, rest = qualname.partition(".")
+            public = canonical.get(id(getattr(source, first, None)))
+            entry = public and objects.get(public + ("." + rest if rest else ""))
+            if entry:
+                uri = app.builder.get_relative_uri(pagename, entry.docname)
+                return f"{head}{uri}#{entry.node_id}{tail}"
+        return match.group(0)
+
+    context["body"] = _BACKLINK.sub(fix, context["body"])
 
 
 def setup(app):
@@ -222,4 +295,5 @@ def setup(app):
     app.connect("autodoc-process-docstring", _fix_inline_literals)
     app.connect("builder-inited", _check_pages)
     app.connect("autodoc-skip-member", _skip_internal)
+    app.connect("html-page-context", _fix_backlinks)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import os
+import time
 import warnings
 
 from jaxmirror.cluster_resolver.base import ClusterResolver
 from jaxmirror.cluster_resolver.cluster_spec import ClusterSpec
 from jaxmirror.cluster_resolver import ray_support
+
+DEFAULT_STARTUP_TIMEOUT = 120.0
+_RAY_WAIT_S = 30  # Ray's own fixed wait for each process of a new node (ray/_private/node.py)
+_GCS_WAIT_VAR = "RAY_gcs_server_port_wait_time_s"
 
 
 def _count(name: str, value, least: int) -> int:
@@ -22,6 +28,58 @@ def _resources(name: str, value) -> dict | None:
         raise TypeError(f"RayClusterResolver: `{name}` must be a dict of Ray actor options "
                         f"such as {{'num_gpus': 1}}, got {type(value).__name__}.")
     return dict(value) if value else None
+
+
+def _seconds(value) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
+            or value <= 0):
+        raise ValueError(f"RayClusterResolver: `startup_timeout_seconds` must be a number of "
+                         f"seconds > 0, got {value!r}; give e.g. 300 on a busy machine.")
+    return float(value)
+
+
+def _try_init(ray, kwargs: dict, timeout: float, wait: int) -> None:
+    """One ``ray.init``, with Ray's GCS start-up wait set to ``wait`` seconds unless the operator
+    set it (Ray reads the variable during the call; it is restored after), and the workers'
+    registration bounded by ``timeout`` (a new dict each time: Ray writes the try's session
+    directory into it)."""
+    gcs_wait = os.environ.get(_GCS_WAIT_VAR)
+    if gcs_wait is None:
+        os.environ[_GCS_WAIT_VAR] = str(wait)
+    system_config = {"worker_register_timeout_seconds": max(60, math.ceil(timeout))}
+    try:
+        ray.init(**kwargs, _system_config=system_config)
+    finally:
+        if gcs_wait is None:
+            os.environ.pop(_GCS_WAIT_VAR, None)
+
+
+def _start_local(ray, kwargs: dict, timeout: float) -> None:
+    """Start a local Ray node, trying again while ``timeout`` seconds have not passed when its
+    processes start too slowly (a busy machine); the failed tries' processes are stopped."""
+    deadline = time.monotonic() + timeout
+    tries = 0
+    while True:
+        tries += 1
+        before = ray_support.child_pids()
+        try:
+            _try_init(ray, kwargs, timeout,
+                      max(_RAY_WAIT_S, math.ceil(deadline - time.monotonic())))
+            return
+        except Exception as e:  # noqa: BLE001 -- Ray raises a plain Exception for it
+            if not ray_support.is_startup_timeout(e):
+                raise
+            ray_support.stop_new_ray_processes(before)
+            ray.shutdown()
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"RayClusterResolver: the local Ray node did not start within "
+                    f"{timeout:g} s ({tries} tries; the machine may be busy; Ray said: {e}); "
+                    f"give it longer with RayClusterResolver(num_workers, num_ps, "
+                    f"startup_timeout_seconds=...) and pass that resolver to "
+                    f"ParameterServerStrategy, or start Ray first (`ray start --head`) and "
+                    f"pass address='auto'.") from e
+            time.sleep(1.0)
 
 
 class RayClusterResolver(ClusterResolver):
@@ -40,10 +98,16 @@ class RayClusterResolver(ClusterResolver):
         worker_resources: Ray options of each worker actor, e.g. ``{"num_gpus": 1}`` (a worker
             with GPUs runs one replica per GPU); by default no CPU is reserved.
         ps_resources: Ray options of each parameter-server actor.
+        startup_timeout_seconds: how long a local Ray node may take to start (default 120):
+            on a busy machine Ray's processes can miss Ray's own 30 s wait, and the start is
+            tried again (the failed try's processes stopped) until this time has passed; it
+            also bounds Ray's wait for the GCS and for each actor's process to register.
 
     Raises:
-        ValueError: for counts below 1. ``TypeError`` for resources that are not dicts.
+        ValueError: for counts below 1 or a timeout that is not a positive number.
+            ``TypeError`` for resources that are not dicts.
         ImportError: when Ray is not installed (``pip install 'jaxmirror[ray]'``).
+        TimeoutError: when the local node did not start in time, saying what to do.
 
     Example:
         >>> import jaxmirror
@@ -53,11 +117,12 @@ class RayClusterResolver(ClusterResolver):
     """
 
     def __init__(self, num_workers, num_ps, address=None, worker_resources=None,
-                 ps_resources=None):
+                 ps_resources=None, startup_timeout_seconds=DEFAULT_STARTUP_TIMEOUT):
         self.num_workers = _count("num_workers", num_workers, 1)
         self.num_ps = _count("num_ps", num_ps, 1)
         self.worker_resources = _resources("worker_resources", worker_resources)
         self.ps_resources = _resources("ps_resources", ps_resources)
+        self.startup_timeout_seconds = _seconds(startup_timeout_seconds)
         if address is not None and not isinstance(address, str):
             raise TypeError(f"RayClusterResolver: `address` must be a string or None, got "
                             f"{type(address).__name__}.")
@@ -70,8 +135,10 @@ class RayClusterResolver(ClusterResolver):
                 warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
                                         category=RuntimeWarning)
                 if address is None:
-                    ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
-                             log_to_driver=True, configure_logging=False)
+                    _start_local(ray, dict(num_cpus=max(2, os.cpu_count() or 1),
+                                           include_dashboard=False, log_to_driver=True,
+                                           configure_logging=False),
+                                 self.startup_timeout_seconds)
                     self._started_ray = True
                 else:
                     ray.init(address=address, log_to_driver=True, configure_logging=False)

@@ -12,9 +12,11 @@ runs, which is what ``NcclAllReduce``, ``HierarchicalCopyAllReduce`` and
 * ``to_one_device``: every buffer sent to one replica (collective-permutes), accumulated there,
   and broadcast back along a doubling tree of collective-permutes.
 
-A ``wire`` dtype (e.g. ``bfloat16``) sends buffers in that dtype and accumulates in the
-buffer's own: the reduce-scatters become all-to-alls followed by a local sum, so no
-addition happens in the narrow dtype.
+A ``wire`` dtype (e.g. ``bfloat16``) sends each replica's own buffer in that dtype (rounded
+once) and everything else in the buffer's own: the first reduce-scatter becomes an all-to-all
+followed by a local sum, so no addition happens in the narrow dtype, and the partial sums and
+the result travel as they were accumulated, so a sum beyond the wire's range (float16's 65504)
+or precision stays exact.
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ def _scatter_sum(buf, axis_name, groups, size: int, wire):
     return blocks.astype(buf.dtype).sum(0)  # accumulated in the buffer's own dtype
 
 
-def _gather(buf, axis_name, groups, wire):
-    return lax.all_gather(narrowed(buf, wire), axis_name, axis_index_groups=groups,
-                          tiled=True).astype(buf.dtype)
+def _gather(buf, axis_name, groups):
+    # Sums go back in their own dtype: narrowed, 8 x 40000 would be float16's inf.
+    return lax.all_gather(buf, axis_name, axis_index_groups=groups, tiled=True)
 
 
 def all_reduce(buf, axis_name, num_replicas: int, wire=None):
-    """The sum over every replica with one all-reduce (with ``wire``: all-to-all, all-gather).
+    """The sum over every replica with one all-reduce (with ``wire``: all-to-all of the narrowed
+    buffers, all-gather of the sums in the buffer's dtype).
 
     Args:
         buf: this replica's flat buffer (length a multiple of ``num_replicas`` when ``wire``
@@ -75,7 +78,7 @@ def all_reduce(buf, axis_name, num_replicas: int, wire=None):
     """
     if narrowed(buf, wire).dtype == buf.dtype:
         return lax.psum(buf, axis_name)
-    return _gather(_scatter_sum(buf, axis_name, None, num_replicas, wire), axis_name, None, wire)
+    return _gather(_scatter_sum(buf, axis_name, None, num_replicas, wire), axis_name, None)
 
 
 def grid(num_replicas: int) -> tuple:
@@ -115,16 +118,12 @@ def hierarchical(buf, axis_name, num_replicas: int, wire=None):
         The sum, on every replica.
     """
     groups, across = grid(num_replicas)
-    size, count = len(groups[0]), len(groups)
+    size = len(groups[0])
     if size == 1:  # no groups to form: the level across the groups is everything
         return all_reduce(buf, axis_name, num_replicas, wire)
-    part = _scatter_sum(buf, axis_name, groups, size, wire)
-    if narrowed(part, wire).dtype == part.dtype:
-        part = lax.psum(part, axis_name, axis_index_groups=across)
-    else:
-        part = _gather(_scatter_sum(part, axis_name, across, count, wire), axis_name, across,
-                       wire)
-    return _gather(part, axis_name, groups, wire)
+    part = _scatter_sum(buf, axis_name, groups, size, wire)  # only the values go narrowed
+    part = lax.psum(part, axis_name, axis_index_groups=across)  # the groups' sums: as they are
+    return _gather(part, axis_name, groups)
 
 
 def _add_all(values):
@@ -162,13 +161,12 @@ def to_one_device(buf, axis_name, num_replicas: int, target: int, accumulation_f
     if total.shape != buf.shape:
         raise ValueError(f"ReductionToOneDevice: `accumulation_fn` must return one array of "
                          f"the buffers' shape {buf.shape}; got shape {total.shape}.")
-    total = narrowed(total, wire).astype(buf.dtype)  # the target keeps what the others get
     me = lax.axis_index(axis_name)
     step = 1
     while step < n:  # broadcast: the replicas holding the total send it to as many others
         pairs = [((target + j) % n, (target + j + step) % n) for j in range(step)
                  if j + step < n]
-        got = lax.ppermute(narrowed(total, wire), axis_name, pairs).astype(buf.dtype)
+        got = lax.ppermute(total, axis_name, pairs)  # the sum in its own dtype: exact
         receivers = jnp.asarray([dst for _, dst in pairs])
         total = jnp.where(jnp.any(me == receivers), got, total)
         step *= 2

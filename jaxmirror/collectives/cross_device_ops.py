@@ -327,7 +327,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         return algorithms.hierarchical(buf, axis_name, len(devices), wire)
 
     def pad_multiple(self, num_replicas: int, wire) -> int:
-        return num_replicas  # reduce-scatters within the groups (and across, with a wire)
+        return num_replicas  # reduce-scatters within the groups
 
 
 class ReductionToOneDevice(CrossDeviceOps):

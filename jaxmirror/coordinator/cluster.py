@@ -13,6 +13,7 @@ import re
 
 from jaxmirror.cluster_resolver import ray_support
 from jaxmirror.coordinator.actors import ParameterServer, Worker
+from jaxmirror.core.errors import DeadlineExceededError
 
 _REMOTE_CLASSES: dict = {}
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
@@ -90,16 +91,30 @@ class RayCluster:
             index, self.num_workers, self.ps, self._factory, self._env)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Block until every actor is up.
+        """Block until every actor is up (each is a new process that imports JAX: on a busy
+        machine that can take minutes).
 
         Args:
             timeout: seconds.
 
         Returns:
             ``None``.
+
+        Raises:
+            jaxmirror.errors.DeadlineExceededError: naming the actors not up in time.
         """
         ray = ray_support.ray_module()
-        ray.get([a.ping.remote() for a in self.ps + self.workers], timeout=timeout)
+        names = ([f"parameter server {i}" for i in range(len(self.ps))]
+                 + [f"worker {i}" for i in range(len(self.workers))])
+        refs = [a.ping.remote() for a in self.ps + self.workers]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        if pending:
+            late = [name for name, ref in zip(names, refs) if ref in pending]
+            raise DeadlineExceededError(
+                f"ParameterServerStrategy: {', '.join(late)} did not start within {timeout:g} "
+                f"s (the machine may be busy); wait longer: "
+                f"strategy.extended.ray_cluster.wait_ready(timeout=...).")
+        ray.get(refs)  # an actor that failed to start raises its error here
 
     @property
     def closed(self) -> bool:

@@ -116,6 +116,14 @@ def local_abstract_key(x, stacked: bool):
     return (shape[1:] if stacked else shape), dtype, weak
 
 
+def eqn_frames(eqn) -> list:
+    """``(file name, line, function name)`` of the Python frames that made a jaxpr equation,
+    innermost first (empty when JAX kept none); ``SourceInfo`` has no public spelling."""
+    tb = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    return [(f.file_name, f.line_num, f.function_name)
+            for f in (tb.frames if tb is not None else ())]
+
+
 def current_trace():
     """The JAX trace operations are bound to right now (the eval trace outside transformations)."""
     return _core.trace_ctx.trace
@@ -336,7 +344,7 @@ def kv_delete(client, key: str) -> None:
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec", "Primitive",
     "abstract_key", "backend_started", "current_trace", "distributed_client",
-    "distributed_coordinator_address", "eval_jaxpr", "forget_failed_effect_tokens",
+    "distributed_coordinator_address", "eqn_frames", "eval_jaxpr", "forget_failed_effect_tokens",
     "initialize_distributed", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
     "kv_delete", "kv_get", "kv_set", "kv_try_get", "local_abstract_key", "make_mesh",
     "pbroadcast_p", "preemption_service_running", "psum_invariant_p", "pvary_p",

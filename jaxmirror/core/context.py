@@ -26,6 +26,7 @@ class Entry(NamedTuple):
     strategy: object
     replica_context: object  # a ReplicaContext, or None in cross-replica context
     in_run: bool = False  # True while `run` traces the step function (merge_fn included)
+    merging: object = None  # in a merge_fn: the ReplicaContext whose merge_call runs it
 
 
 def register_default(make) -> None:
@@ -71,6 +72,7 @@ def _stack() -> list:
     except AttributeError:
         _local.stack = [_bottom()]
         _local.global_scope = None
+        _local.default_scopes = 0
         return _local.stack
 
 
@@ -89,6 +91,24 @@ def pushed(entry: Entry):
         yield entry
     finally:
         stack.pop()
+
+
+@contextlib.contextmanager
+def default_scope():
+    """Enter the default strategy's scope: TF pushes no context for it, only a variable
+    creator that refuses variables of another strategy (``in_default_scope``)."""
+    _stack()
+    _local.default_scopes += 1
+    try:
+        yield
+    finally:
+        _local.default_scopes -= 1
+
+
+def in_default_scope() -> bool:
+    """Whether the default strategy's ``scope()`` is entered on this thread."""
+    _stack()
+    return _local.default_scopes > 0
 
 
 def mixing_error(current_strategy, strategy) -> RuntimeError:
@@ -184,25 +204,24 @@ def in_cross_replica_context() -> bool:
 def get_cross_replica_context():
     """The current strategy in a cross-replica context, else ``None``.
 
-    As ``tf.distribute.get_cross_replica_context``: outside any scope it is the default strategy;
-    inside ``scope()`` the strategy; inside ``run`` (replica context) ``None``.
+    As ``tf.distribute.get_cross_replica_context``: inside ``scope()`` and inside a
+    ``merge_call``'s ``merge_fn`` it is the strategy; inside ``run`` (replica context) and
+    outside every scope (the default replica context) it is ``None``.
 
     Returns:
         A ``Strategy`` or ``None``.
 
     Example:
         >>> import jaxmirror
+        >>> print(jaxmirror.get_cross_replica_context())
+        None
         >>> s = jaxmirror.OneDeviceStrategy("CPU:0")
         >>> with s.scope():
         ...     jaxmirror.get_cross_replica_context() is s
         True
     """
     entry = current()
-    if entry.replica_context is None:
-        return entry.strategy
-    if entry.strategy is default_strategy():
-        return entry.strategy
-    return None
+    return entry.strategy if entry.replica_context is None else None
 
 
 def experimental_set_strategy(strategy) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from jaxmirror.data import batching, sources
@@ -16,7 +17,9 @@ class DistributedDatasetsFromFunction(DistributedDataset):
     (``PER_REPLICA``) and returns a re-iterable of *per-replica* batches. Each step every
     replica takes the next batch of its pipeline; a replica whose pipeline has run out gets
     zero rows, and the iteration ends when every replica's has. Batches are padded to the
-    first one's size, with row counts, as in ``DistributedDataset``.
+    first one's size, with row counts, as in ``DistributedDataset``. A dataset of unbatched
+    elements (the first has a scalar leaf) gives each replica one element per step, as it is
+    (TF's way); its pipelines must then end together (an element cannot be padded).
 
     Args:
         strategy: the strategy to distribute over.
@@ -54,6 +57,30 @@ class DistributedDatasetsFromFunction(DistributedDataset):
         else:
             contexts = [InputContext(topo.num_workers, topo.worker_index, n)]
         self._factories = [sources.epoch_factory(dataset_fn(ctx), what) for ctx in contexts]
+        self._unbatched = None  # whether elements are unbatched (decided by the first one)
+
+    def _check(self, element, position: int):
+        """As ``DistributedDataset._check``; an unbatched element is checked as one row."""
+        if self._unbatched is None:
+            self._unbatched = any(np.ndim(x) == 0 for x in jax.tree.leaves(element))
+        if self._unbatched:
+            element = jax.tree.map(lambda x: np.asarray(x)[None], element)
+        return super()._check(element, position)
+
+    @property
+    def element_spec(self):
+        """As ``DistributedDataset.element_spec``; an unbatched dataset's are its elements'.
+
+        Example:
+            >>> import numpy as np, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> s.distribute_datasets_from_function(lambda ctx: [np.float32(1)]).element_spec
+            ShapeDtypeStruct(shape=(), dtype=float32)
+        """
+        spec = super().element_spec
+        if not self._unbatched:
+            return spec
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), spec)
 
     @property
     def _parts(self) -> int:
@@ -120,6 +147,8 @@ class DistributedDatasetsFromFunction(DistributedDataset):
 
     def _stack(self, checked, counts):
         tree = self._first[0]
+        if self._unbatched:
+            return self._stack_unbatched(tree, checked, counts)
         if self._topology.num_replicas == 1:
             return self._placer.place_single(tree, checked[0][0])
         size = self._rows
@@ -135,3 +164,17 @@ class DistributedDatasetsFromFunction(DistributedDataset):
                      for c, count in zip(checked, mine)]
             blocks.append(np.stack(parts))
         return self._placer.place(tree, blocks, counts if padded else None)
+
+    def _stack_unbatched(self, tree, checked, counts):
+        """Unbatched elements: each replica's one element, as it is (no rows, no padding)."""
+        if min(counts) == 0:
+            ended = [i for i, c in enumerate(counts) if c == 0]
+            raise ValueError(
+                f"{self._what}: the per-replica datasets are unbatched, and those of replica(s) "
+                f"{ended} ended while others still have elements; an unbatched element cannot "
+                f"be padded, so make every pipeline equally long, or batch them (then a "
+                f"shorter pipeline's replica gets zero rows).")
+        if self._topology.num_replicas == 1:
+            return self._placer.place_single(tree, [a[0] for a in checked[0][0]])
+        return self._placer.place(tree, [np.stack([c[0][j][0] for c in checked])
+                                         for j in range(len(checked[0][0]))], None)

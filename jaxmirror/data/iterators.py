@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import itertools
 
 import numpy as np
 
@@ -123,8 +123,11 @@ class DistributedIterator(Checkpointable):
         self._stack = stack  # (first host batch, k) -> a HostStack or None (see take_stacked)
         self._given = given  # elements given so far in this pass (the checkpointed position)
         self._last = None  # the last element given (see elements_not_used)
-        self._ahead = None  # an item read ahead by at_end, given next
-        self._ended = False  # the pass has ended
+        # Given next, before the source's: (item, placed) read ahead by at_end, or put back
+        # by a failed fused step (put_back); placed items are elements as given.
+        self._back: collections.deque = collections.deque()
+        self._taken = []  # the latest take_stacked's: placed elements and HostStacks, in order
+        self._ended = False  # the source has ended
 
     def __iter__(self):
         return self
@@ -136,17 +139,25 @@ class DistributedIterator(Checkpointable):
         if context.current().in_run:
             raise ValueError("DistributedIterator.next: called inside `run`; fetch the batch "
                              "outside and pass it to `run` as an argument.")
-        item, self._ahead = self._ahead, None
-        if item is None:
-            try:
-                item = next(self._prefetcher)
-            except StopIteration:
-                self._ended = True
-                raise
-        element = item if self._place is None else self._place(item)
+        element = self._placed(*self._pull())
         self._given += 1
         self._last = element
         return element
+
+    def _pull(self) -> tuple:
+        """``(item, placed)``: the next item, put back or read ahead first."""
+        if self._back:
+            return self._back.popleft()
+        if self._ended:
+            raise StopIteration
+        try:
+            return next(self._prefetcher), False
+        except StopIteration:
+            self._ended = True
+            raise
+
+    def _placed(self, item, placed: bool):
+        return item if placed or self._place is None else self._place(item)
 
     def take_stacked(self, k: int) -> list:
         """Up to ``k`` next elements for a fused step (``strategy.function(...,
@@ -161,27 +172,60 @@ class DistributedIterator(Checkpointable):
             leaf's ``(elements, replicas)`` row counts or ``None``; see ``placer.HostStack``),
             or ``("each", elements)``, elements as ``next`` gives them. Empty at the end.
         """
-        if self._stack is None:
-            taken = list(itertools.islice(self, k))
-            return [("each", taken)] if taken else []
         if context.current().in_run:
             next(self)  # raises the error above
-        groups, stack = [], None
-        source = self._prefetcher
-        if self._ahead is not None:
-            source, self._ahead = itertools.chain([self._ahead], source), None
-        for batch in itertools.islice(source, k):
+        groups, stack, taken = [], None, []
+        self._taken = taken
+        for _ in range(k):
+            try:
+                item, placed = self._pull()
+            except StopIteration:
+                break
             self._given += 1
-            if stack is not None and stack.add(batch):
+            if stack is not None and not placed and stack.add(item):
                 continue
             if stack is not None:
                 groups.append(("stacked",) + stack.place())
-            stack = self._stack(batch, k)
-            if stack is None:
-                groups.append(("each", [self._place(batch)]))
+            stack = None if placed or self._stack is None else self._stack(item, k)
+            if stack is not None:
+                taken.append(stack)
+                continue
+            element = self._placed(item, placed)
+            taken.append(element)
+            if groups and groups[-1][0] == "each":
+                groups[-1][1].append(element)
+            else:
+                groups.append(("each", [element]))
         if stack is not None:
             groups.append(("stacked",) + stack.place())
         return groups
+
+    def put_back(self, n: int) -> None:
+        """Give the last ``n`` elements of the latest ``take_stacked`` again, next: a fused
+        step whose program failed puts back those it did not apply (its position goes back
+        too, so a checkpoint saves it as if they had not been taken).
+
+        Args:
+            n: how many (at most the number taken).
+
+        Example:
+            >>> import numpy as np, jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> it = iter(s.experimental_distribute_dataset([np.full(2, i) for i in range(3)]))
+            >>> _ = it.take_stacked(3)
+            >>> it.put_back(2)
+            >>> [s.experimental_local_results(b)[0].tolist() for b in it]
+            [[1], [2]]
+        """
+        items = []
+        for x in self._taken:
+            batches = getattr(x, "batches", None)
+            items += [(b, False) for b in batches()] if batches else [(x, True)]
+        n = min(n, len(items))
+        if n > 0:
+            self._back.extendleft(reversed(items[-n:]))
+            self._given -= n
+        self._taken = []
 
     def get_next(self):
         """The next element: a nest of ``PerReplica`` values.
@@ -212,8 +256,18 @@ class DistributedIterator(Checkpointable):
         return self._dataset.element_spec
 
     def initialize(self) -> list:
-        """TF 1's ``initialize()`` of ``make_dataset_iterator``: nothing to do; returns ``[]``."""
+        """TF 1's ``initialize()``: the iterator starts a new pass (TF's eager reset).
+
+        Returns:
+            ``[]`` (no initializer ops to run).
+        """
+        if self._last is not None or self._taken or self._ended:  # else this pass is new
+            fresh = self._dataset.iterator_at(0, adopted_by=self)
+            self.close()
+            vars(self).update(vars(fresh))
         return []
+
+    initializer = property(initialize, doc="TF 1's ``initializer``: ``initialize()``'s.")
 
     def close(self) -> None:
         """Stop prefetching; the iterator ends."""
@@ -230,12 +284,12 @@ class DistributedIterator(Checkpointable):
     def at_end(self) -> bool:
         """Whether this pass has no element left (the next is read ahead, and kept, if need
         be; every worker asks at the same point, so their exchanges stay paired)."""
-        if not self._ended and self._ahead is None:
+        if not self._back and not self._ended:
             try:
-                self._ahead = next(self._prefetcher)
+                self._back.append((next(self._prefetcher), False))
             except StopIteration:
                 self._ended = True
-        return self._ended
+        return not self._back
 
     def checkpoint_state(self) -> np.ndarray:
         """The position a checkpoint saves (``data/positions.py``).
@@ -289,4 +343,6 @@ class DistributedIterator(Checkpointable):
         self._prefetcher.close()
         fresh = self._dataset.iterator_at(skip, adopted_by=self)
         self._prefetcher, self._place, self._stack = fresh._prefetcher, fresh._place, fresh._stack
-        self._given, self._last, self._ahead, self._ended = skip, None, None, False
+        self._given, self._last, self._ended = skip, None, False
+        self._back.clear()
+        self._taken = []

@@ -177,3 +177,10 @@ class HostStack:
         arrays = [a if a.shape[ax] == n else np.ascontiguousarray(a[(slice(None),) * ax + (
             slice(0, n),)]) for a in self._arrays]
         return self._placer.place_host_stack(self._tree, arrays, self._counts, self._single)
+
+    def batches(self) -> list:
+        """The ``HostBatch``es added, in order, read back from the stack's own copies (what a
+        failed fused step puts back in its iterator)."""
+        ax = self._axis
+        return [HostBatch(self._tree, [a[(slice(None),) * ax + (i,)] for a in self._arrays],
+                          counts, self._single) for i, counts in enumerate(self._counts)]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmirror.core.stateful import Stateful, is_opaque
-from jaxmirror.core.values import is_distributed
+from jaxmirror.core.values import is_distributed, is_per_replica
 from jaxmirror.variables.state import state_of
 
 ACCEPTED = ("Accepted are arrays (jax.Array, numpy) of a numeric or bool dtype, Python numbers, "
@@ -277,39 +277,38 @@ def take_variables(args, kwargs, captured):
     return (tuple(positions), tuple(variables), captured), args, kwargs
 
 
-def _first_array(tree, depth: int = 64):
-    """The first ``jax.Array`` of ``tree`` in pytree order, or ``None``; visits only the nodes
-    before it (an ``optax.EmptyState`` or an empty dict first is skipped)."""
-    if isinstance(tree, jax.Array):
-        return tree
-    if depth == 0 or tree is None or isinstance(tree, (np.ndarray, np.generic, int, float, bool,
-                                                       str)):
-        return None
-    if isinstance(tree, dict):  # any array will do: a donated tree has all of them deleted
-        children = tree.values()
-    elif isinstance(tree, (list, tuple)):  # namedtuples (optax states) included
-        children = tree
-    else:  # another pytree node (a flax struct, a dataclass): one level of it
-        children = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0]
-        if len(children) == 1 and children[0] is tree:  # a leaf that is not an array
-            return None
-    for child in children:
-        found = _first_array(child, depth - 1)
-        if found is not None:
-            return found
+def _donated_argument_holding(args, donate_argnums: tuple, predicate):
+    """The first donated positional argument with a leaf ``predicate`` accepts, or None."""
+    for i in donate_argnums:
+        if i < len(args) and any(map(predicate,
+                                     jax.tree.leaves(args[i], is_leaf=is_distributed))):
+            return i
     return None
 
 
-def check_not_donated(args, donate_argnums: tuple, api: str) -> None:
-    """Refuse a donated argument that an earlier call already donated (its arrays are deleted).
+def _holds_a_batch(x) -> bool:
+    return is_per_replica(x) and x.row_counts is not None
 
-    JAX 0.10 crashes the process (a segfault: a notebook's kernel dies) when a deleted array
-    reaches a program over several devices, instead of raising. Re-running a notebook cell
-    that calls a donating step on the same params does exactly that, so each donated argument's
-    first array is checked (found depth first, stopping there: not O(leaves)), and only for
-    steps that donate.
+
+# What a donated argument may not hold: (the test of a leaf, why, what to donate instead).
+_NOT_DONATABLE = {
+    "variables": (lambda x: isinstance(x, Stateful),
+                  "which holds jaxmirror Variables, and a variable's array is its state, "
+                  "which cannot be donated",
+                  "donate only arrays (variables are written back after the call anyway)"),
+    "batches": (_holds_a_batch,
+                "a batch from a distributed dataset; its leaves share their row counts with "
+                "the rest of the batch (and later batches), so it cannot be donated",
+                "donate params and optimizer state, not batches"),
+}
+
+
+def check_not_donating(what: str, args, donate_argnums: tuple, api: str) -> None:
+    """Refuse donating an argument holding ``what``: ``"variables"`` (their arrays are their
+    state) or ``"batches"`` (trace time only: a batch's leaves share their row counts).
 
     Args:
+        what: ``"variables"`` or ``"batches"``.
         args: the step's positional arguments.
         donate_argnums: the positions the step donates.
         api: the step's name, for the message.
@@ -318,13 +317,9 @@ def check_not_donated(args, donate_argnums: tuple, api: str) -> None:
         ValueError: naming the argument.
 
     Example:
-        >>> check_not_donated((jnp.ones(2),), (0,), "step")  # alive: nothing happens
+        >>> check_not_donating("variables", (jnp.ones(2),), (0,), "step")  # arrays: fine
     """
-    for i in donate_argnums:
-        x = _first_array(args[i]) if i < len(args) else None
-        if x is not None and x.is_deleted():
-            raise ValueError(
-                f"{api}: argument {i} holds arrays an earlier call donated (they are deleted); "
-                f"pass that call's results instead, e.g. `params, opt_state, loss = "
-                f"step(params, opt_state, batch)` (in a notebook: re-run the cell that made "
-                f"them, not only the one that calls the step).")
+    predicate, why, instead = _NOT_DONATABLE[what]
+    i = _donated_argument_holding(args, donate_argnums, predicate)
+    if i is not None:
+        raise ValueError(f"{api}: `donate_argnums` includes argument {i}, {why}; {instead}.")

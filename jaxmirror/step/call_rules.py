@@ -31,10 +31,12 @@ def check_can_run(strategy) -> None:
     """
     entry = context.current()
     if entry.in_run:
+        where = ("; inside a merge_fn, run a function on every replica with "
+                 "`strategy.extended.call_for_each_replica(fn, args)`" if entry.merging else "")
         raise RuntimeError(
             "run: called inside a function that `run` is already running; call the inner "
             "function directly, or, as TF says, \"Method requires being in cross-replica "
-            "context, use get_replica_context().merge_call()\"."
+            f"context, use get_replica_context().merge_call()\"{where}."
         )
     if entry.strategy is not strategy and entry.strategy is not context.default_strategy():
         raise context.mixing_error(entry.strategy, strategy)

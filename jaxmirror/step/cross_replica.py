@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmirror.core import _compat, context
 from jaxmirror.core.bits import as_bits, from_bits
@@ -103,15 +104,20 @@ def _norm_axis(axis, rank: int, method: str) -> int:
 
 
 def local_results(strategy, value) -> tuple:
-    """``experimental_local_results``: a tuple of this process's per-replica values."""
-    value = views(value)
+    """``experimental_local_results``: a tuple of this process's per-replica values.
+
+    A central-storage variable (``single_copy``) is no distributed value in TF: it is its own
+    one local result, as a plain value is."""
     leaves, tree = jax.tree.flatten(value, is_leaf=is_distributed)
-    if not any(kind(strategy, x, "experimental_local_results") != PLAIN for x in leaves):
-        return (value,)
+    single = [isinstance(x, Stateful) and getattr(x, "single_copy", False) for x in leaves]
+    leaves = [x if one else views(x) for x, one in zip(leaves, single)]
+    kinds = [PLAIN if one else kind(strategy, x, "experimental_local_results")
+             for x, one in zip(leaves, single)]
+    if all(k == PLAIN for k in kinds):
+        return (jax.tree.unflatten(tree, leaves),)
     n = strategy.extended.placement.num_local_replicas
     columns = []
-    for x in leaves:
-        k = kind(strategy, x, "experimental_local_results")
+    for x, k in zip(leaves, kinds):
         if k == PER_REPLICA:
             columns.append(x.values)
         elif k == MIRRORED:
@@ -145,6 +151,12 @@ def _partial(strategy, op: ReduceOp, x, axis):
             return ("sum", stacked, n, False)
         ax = _norm_axis(axis, stacked.ndim - 1, "reduce") + 1
         return ("sum", stacked.sum(axis=ax), n * stacked.shape[ax], False)
+    if k == PLAIN and strategy.extended.placement.multi_process and not _compat.is_tracer(x) \
+            and not context.current().in_run:
+        return _across_workers(strategy, op, x, axis)
+    if (k == PLAIN and axis is None and isinstance(x, (np.ndarray, np.generic))
+            and np.all(x == 0)):  # TF's shortcut: NumPy zeros reduce to zeros, by any op
+        return ("done", np.zeros(x.shape, x.dtype))
     v = jnp.asarray(_mirrored_value(x))
     if axis is not None:
         ax = _norm_axis(axis, v.ndim, "reduce")
@@ -158,6 +170,24 @@ def _partial(strategy, op: ReduceOp, x, axis):
             f"{op}. Return it from `run`, or reduce it with ReduceOp.MEAN."
         )
     return ("done", n * v)
+
+
+def _across_workers(strategy, op: ReduceOp, x, axis):
+    """A plain (host) value of each worker, all-reduced across the workers as TF does: it
+    stands for this worker's replicas, each holding it (one replica per worker in TF)."""
+    placement = strategy.extended.placement
+    v, n, k = np.asarray(x), placement.num_replicas, placement.num_local_replicas
+    count = n
+    if axis is not None:
+        ax = _norm_axis(axis, v.ndim, "reduce")
+        v, count = v.sum(ax), n * v.shape[ax]
+    elif op is ReduceOp.SUM and k > 1:
+        raise ValueError(  # TF's wording (as on one worker), on purpose, and what to do
+            f"A non-DistributedValues value {x!r} cannot be reduced with the given reduce op "
+            f"{op}: it stands for this worker's {k} replicas, identical copies whose sum TF "
+            f"does not define. Reduce it with ReduceOp.MEAN, or pass each replica's part as a "
+            f"PerReplica (strategy.experimental_distribute_values_from_function).")
+    return ("sum", placement.place_stacked(np.broadcast_to(v, (n,) + v.shape)), count, False)
 
 
 def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None,

@@ -15,8 +15,10 @@ import operator
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxmirror.core.values import PerReplica, is_per_replica
+from jaxmirror.step import deleted, graphs
 from jaxmirror.step.fused_trace import run_steps
 from jaxmirror.step.run_options import argnums
 
@@ -42,6 +44,15 @@ class FusedStep:
     same for every step (a step returning a value shaped as one of them gets a warning).
     Per-row results of a padded batch come back padded (no row counts). Elements of different
     shapes (one replica's shorter last batch) run as consecutive programs within the call.
+
+    A call waits for its program before it returns. When a step fails (a raising callback,
+    an XLA error at run time), the call raises that error with a note: nothing of the failed
+    program took effect (variables, NNX objects, the iterator's saved position), and its
+    elements are back in a distributed iterator, so the next call retries them and
+    ``next(iterator)`` skips them one by one (another iterator's are on the error, as
+    ``unapplied_elements``). Under ``jax_debug_nans``/``jax_debug_infs`` a NaN found in a call
+    is looked for step by step, as single steps, so that the error names its operation as a
+    single step's does: the steps before it are applied, it and the later ones put back.
 
     Args:
         strategy: the strategy whose replicas run the steps.
@@ -83,24 +94,32 @@ class FusedStep:
         self.__doc__ = getattr(fn, "__doc__", None)
 
         self._carry = carry_argnums
+        self._compile = (compile_fn, tuple(i + 1 for i in donate_argnums))
+        # The program cache keeps a program as long as its function lives: these do.
+        self._functions = self._fused_functions()
+        self._stacked, self._each = self._programs(self._functions)
+
+    def _fused_functions(self) -> tuple:
+        """New fused functions: for elements stacked on the host and moved in one transfer,
+        and for elements moved one by one (a dataset iterated on a thread, any other iterator)
+        and stacked in the program. Each also returns an array that tells when it has run."""
+        strategy, fn, carry_argnums = self._strategy, self._fn, self._carry
 
         def fused(element, counts, *args, **kwargs):
-            return run_steps(strategy, fn, element, counts, args, kwargs, carry_argnums)
+            return (run_steps(strategy, fn, element, counts, args, kwargs, carry_argnums),
+                    jnp.zeros((), jnp.int32))
 
         def fused_each(elements, counts, *args, **kwargs):
-            return run_steps(strategy, fn, _stacked(elements), _stacked(counts), args, kwargs,
-                             carry_argnums)
+            return fused(_stacked(elements), _stacked(counts), *args, **kwargs)
 
         fused.__name__ = fused_each.__name__ = self.__name__
         # Whose closure the trace checks for NNX state read by closure (captured_graphs).
         fused.user_function_ref = fused_each.user_function_ref = lambda: fn
-        # The program cache keeps a program as long as its function lives: these do.
-        self._functions = (fused, fused_each)
-        donated = tuple(i + 1 for i in donate_argnums)
-        # Elements stacked on the host and moved in one transfer, or moved one by one (a
-        # dataset iterated on a thread, any other iterator) and stacked in the program.
-        self._stacked = compile_fn(fused, donated)
-        self._each = compile_fn(fused_each, donated)
+        return fused, fused_each
+
+    def _programs(self, functions: tuple) -> tuple:
+        compile_fn, donated = self._compile
+        return tuple(compile_fn(f, donated) for f in functions)
 
     @property
     def steps_per_execution(self) -> int:
@@ -123,13 +142,77 @@ class FusedStep:
         return self._stacked.compile_count + self._each.compile_count
 
     def __call__(self, iterator, *args, **kwargs):
+        calls = self._take(iterator)
         results = []
-        for program, element, counts in self._take(iterator):
-            out = program(element, counts, *args, **kwargs)
+        nodes = [x for x in jax.tree.leaves((args, kwargs), is_leaf=graphs.is_graph_node)
+                 if graphs.is_graph_node(x)]
+        for done, call in enumerate(calls):
+            # The NNX objects' arrays before (a step that fails at run time without host
+            # callback effects leaves them its failed arrays).
+            before = jax.tree.map(lambda x: x, nnx.state(nodes)) if nodes else None
+            try:
+                out, finished = call[0](*call[1:3], *args, **kwargs)
+                # Waited for, so that a step failing at run time fails this call, which puts
+                # back the elements it did not apply.
+                finished.block_until_ready()
+            except FloatingPointError as err:  # jax_debug_nans/infs: as single steps would
+                self._failed(iterator, calls[done:], self._step_by_step(call, args, kwargs, err))
+            except Exception as err:
+                if nodes:
+                    nnx.update(nodes, before)
+                self._failed(iterator, calls[done:], (_named_if_deleted(err, args, kwargs,
+                                                                        self.__name__), 0))
             results.append(out)
             for j, i in enumerate(self._carry):  # the next group starts where this one ended
                 args = args[:i - 1] + (out[j],) + args[i:]
         return results[0] if len(results) == 1 else _joined(results, len(self._carry))
+
+    def _step_by_step(self, call, args, kwargs, err) -> tuple:
+        """``(error, steps applied)``: the failed program's steps run again one at a time, each
+        by a new one-step program, as single steps, so that JAX names the operation that made
+        the NaN or inf (in the fused program it names the ``scan``); the steps before it are
+        applied, as single steps would be. JAX checks a program's results only at its first
+        call, and its operations' only at theirs, so its caches are cleared first."""
+        program, element, counts, n, _ = call
+        jax.clear_caches()
+        for j in range(n):
+            functions = self._fused_functions()  # held while their programs run
+            stacked, each = self._programs(functions)
+            if program is self._each:
+                one = (each, (element[j],), (counts[j],))
+            else:
+                one = (stacked, jax.tree.map(lambda x: _step_entry(x, j), element,
+                                             is_leaf=is_per_replica),
+                       jax.tree.map(lambda c: c[j:j + 1], counts))
+            try:
+                out, _ = one[0](*one[1:], *args, **kwargs)
+            except FloatingPointError as found:
+                return found, j
+            for k, i in enumerate(self._carry):
+                args = args[:i - 1] + (out[k],) + args[i:]
+        return err, n
+
+    def _failed(self, iterator, calls: list, failure: tuple) -> None:
+        """A program of this call failed after applying ``failure[1]`` of its steps: its other
+        elements and the later ones go back into ``iterator`` (or onto the error for an
+        iterator without ``put_back``); raises the error, which says so."""
+        err, applied = failure
+        n = sum(c[3] for c in calls) - applied
+        put_back = getattr(iterator, "put_back", None)
+        if put_back is not None:
+            put_back(n)
+            where = ("are back in the iterator: the next call (or next()) takes them again; "
+                     f"to skip them instead, call next(iterator) {n} times")
+        else:
+            err.unapplied_elements = [e for c in calls for e in c[4]][-n:] if n else []
+            where = ("were taken from an iterator that cannot take them back: they are in "
+                     "this error's `unapplied_elements`")
+        done = (f"{applied} of its steps ran one by one and were applied; "
+                if applied else "")
+        err.__suppress_context__ = True  # a NaN found step by step: not the fused error
+        err.add_note(f"{self.__name__}: this fused step failed; {done}the {n} elements whose "
+                     f"steps did not take effect (the variables are as before them) {where}.")
+        raise err
 
     def lower(self, iterator, *args, **kwargs):
         """The program for the next elements of ``iterator`` (which it consumes), lowered.
@@ -142,12 +225,13 @@ class FusedStep:
         Returns:
             A ``jax.stages.Lowered`` (of the first program, when the elements need several).
         """
-        program, element, counts = self._take(iterator)[0]
+        program, element, counts, _, _ = self._take(iterator)[0]
         return program.lower(element, counts, *args, **kwargs)
 
     def _take(self, iterator) -> list:
-        """``[(program, element(s), counts)]`` for the next elements of ``iterator``: one per
-        run of elements that can share a program."""
+        """``[(program, element(s), counts, how many elements, the elements as taken)]`` for
+        the next elements of ``iterator``: one per run of elements that can share a program
+        (the elements as taken only for those moved one by one)."""
         take = getattr(iterator, "take_stacked", None)
         if take is not None:
             groups = take(self._steps)
@@ -156,19 +240,34 @@ class FusedStep:
             groups = [("each", taken)] if taken else []
         if not groups:
             raise StopIteration(f"{self.__name__}: the iterator is exhausted.")
+        stacked, each = self._stacked, self._each
         calls = []
         for group in _merged(groups):
             if group[0] == "stacked":
-                calls.append((self._stacked, group[1], group[2]))
+                calls.append((stacked, group[1], group[2], _steps_in(group[1]), ()))
                 continue
-            for run in _same_shape_runs([_without_counts(e) for e in group[1]]):
+            elements = list(group[1])
+            for run in _same_shape_runs([_without_counts(e) for e in elements]):
                 stripped, counts = zip(*run)
-                calls.append((self._each, tuple(stripped), tuple(counts)))
+                calls.append((each, tuple(stripped), tuple(counts), len(run),
+                              elements[:len(run)]))
+                elements = elements[len(run):]
         return calls
 
     def __repr__(self) -> str:
         return (f"<jaxmirror fused step {self.__name__} x{self._steps} on "
                 f"{self._strategy!r}>")
+
+
+def _named_if_deleted(err, args, kwargs, api: str):
+    """``err``, or the error naming a deleted array among the user's arguments (the user's
+    ``args[0]`` is the iterator, so the others count from 1)."""
+    try:
+        deleted.check_alive(args, kwargs, api, first=1)
+    except ValueError as named:
+        named.__cause__ = err
+        return named
+    return err
 
 
 def _positive_int(steps) -> int:
@@ -200,6 +299,19 @@ def _merged(groups: list) -> list:
         else:
             out.append(g)
     return out
+
+
+def _steps_in(element) -> int:
+    """The number of elements stacked in ``element`` (the axis after the replicas')."""
+    leaf = jax.tree.leaves(element, is_leaf=is_per_replica)[0]
+    return leaf.stacked.shape[1] if is_per_replica(leaf) else jnp.shape(leaf)[0]
+
+
+def _step_entry(x, j: int):
+    """Step ``j`` of a stacked element's leaf, its step axis kept (length 1)."""
+    if is_per_replica(x):
+        return PerReplica(x.stacked[:, j:j + 1])
+    return x[j:j + 1]
 
 
 def _without_counts(element):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import importlib.util
 import os
 import sys
 from typing import NamedTuple
@@ -29,7 +30,7 @@ import jaxlib
 from jax import lax
 
 from jaxmirror.core import _compat
-from jaxmirror.step import rows
+from jaxmirror.step import masked_stats, rows
 from jaxmirror.step.jaxpr_walk import Analysis
 
 
@@ -40,6 +41,11 @@ class PaddedRowsWarning(UserWarning):
         >>> issubclass(PaddedRowsWarning, UserWarning)
         True
     """
+
+    # The user's source line that summed over the padded rows (``padded_rows_warning`` sets
+    # them when it knows it): where the warning is shown.
+    filename: str | None = None
+    lineno: int | None = None
 
 
 class Flow(NamedTuple):
@@ -64,15 +70,35 @@ _INTERNAL = tuple(os.path.dirname(path) + os.sep
                   for path in (jax.__file__, jaxlib.__file__, os.path.dirname(__file__)))
 # (axis name, findings) of the analysis running in this thread.
 _STATE: contextvars.ContextVar = contextvars.ContextVar("padding_check")
+# Where equations are named: the first frame outside these libraries, the user's own line (a
+# gradient's sum over rows was made by flax's layer, called from the user's loss), then the
+# first frame outside JAX and jaxmirror if it is another (that flax layer).
+_JAX_AND_OURS, _LIBRARIES = (tuple(
+    os.path.dirname(spec.origin) + os.sep for spec in map(importlib.util.find_spec, names)
+    if spec is not None and spec.origin) for names in (
+        ("jax", "jaxlib", "jaxmirror"), ("jax", "jaxlib", "jaxmirror", "flax", "optax")))
+# {"file:line (function)": (path, line)} of the places named by the analysis running here.
+_PLACES: contextvars.ContextVar = contextvars.ContextVar("padding_check_places")
 
 
 def _where(eqn) -> str:
-    """``file:line (function)`` of the first frame outside jax and jaxmirror, or ``?``."""
-    tb = getattr(eqn.source_info, "traceback", None)
-    for f in (tb.frames if tb is not None else ()):  # innermost first
-        if not f.file_name.startswith(_INTERNAL):
-            return f"{os.path.basename(f.file_name)}:{f.line_num} ({f.function_name})"
-    return "?"
+    """``file:line (function)`` of the first frame outside jax, flax, optax and jaxmirror (the
+    user's line), then ``via`` the library's own frame when one made the equation (flax's
+    ``Linear.__call__`` for a gradient's sum over rows); ``?`` when there is none."""
+    frames = _compat.eqn_frames(eqn)  # innermost first
+    user = next((f for f in frames if not f[0].startswith(_LIBRARIES)), None)
+    inner = next((f for f in frames if not f[0].startswith(_JAX_AND_OURS)), None)
+    if user is None:
+        return "?" if inner is None else _named(inner)
+    where = _named(user) if inner in (None, user) else f"{_named(user)} via {_named(inner)}"
+    places = _PLACES.get(None)
+    if places is not None:
+        places[where] = user[:2]
+    return where
+
+
+def _named(frame) -> str:
+    return f"{os.path.basename(frame[0])}:{frame[1]} ({frame[2]})"
 
 
 def _row_tags(eqn, ins) -> list:
@@ -204,7 +230,8 @@ def _cond(eqn, ins):
     return [f._replace(masked=f.masked or ins[0].masked) for f in outs]
 
 
-def unmasked_row_reductions(jaxpr, padded_inputs: dict, count_inputs, axis_name) -> list[str]:
+def unmasked_row_reductions(jaxpr, padded_inputs: dict, count_inputs, axis_name,
+                            places: dict | None = None) -> list[str]:
     """Where a sum over a padded batch's rows that counts the padding reaches a collective or a
     result of the step, and where an ``all_gather`` gathers the padded rows.
 
@@ -215,6 +242,8 @@ def unmasked_row_reductions(jaxpr, padded_inputs: dict, count_inputs, axis_name)
             counts as masked.
         axis_name: the replica axis; only ``psum``/``pmean``/``all_gather``/``psum_scatter``
             over it are collectives here.
+        places: if given, filled with ``{"file:line (function)": (path, line)}`` of the places
+            the findings name.
 
     Returns:
         One ``"<collective> at <file:line (function)> of <reduction> at <file:line (function)>"``
@@ -239,9 +268,11 @@ def unmasked_row_reductions(jaxpr, padded_inputs: dict, count_inputs, axis_name)
         ins[pos] = Flow(None, True, None)
     found: list = []
     token = _STATE.set((axis_name, found))
+    places_token = _PLACES.set(places)
     try:
         outs = ANALYSIS.analyse(jaxpr, ins)
     finally:
+        _PLACES.reset(places_token)
         _STATE.reset(token)
     # A result that is a collective's output already found says nothing new.
     found += [RETURNED + f.unmasked for f in outs if f.unmasked
@@ -259,7 +290,9 @@ def padded_rows_warning(traced, padded: tuple, axis_name) -> PaddedRowsWarning |
         axis_name: the replica axis.
 
     Returns:
-        A ``PaddedRowsWarning`` naming the first offending collective, or ``None``.
+        A ``PaddedRowsWarning`` naming the first offending collective, or ``None``; its
+        ``filename``/``lineno`` are the user's line that summed over the rows (or gathered
+        them), when known.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -278,11 +311,12 @@ def padded_rows_warning(traced, padded: tuple, axis_name) -> PaddedRowsWarning |
     batch_of = {outer[pos]: k for k, pos in enumerate(padded)}
     counts = set(outer[len(outer) - len(padded):])
     names = [None if isinstance(v, _compat.Literal) else v for v in eqn.invars]
+    places: dict = {}
     found = unmasked_row_reductions(
         eqn.params["jaxpr"], {i: batch_of[v] for i, v in enumerate(names) if v in batch_of},
-        [i for i, v in enumerate(names) if v in counts], axis_name)
-    if not found:
-        return None
+        [i for i, v in enumerate(names) if v in counts], axis_name, places)
+    if not found:  # nothing counts the padding: a flax layer may still weigh replicas alike
+        return _per_replica_means_warning(eqn, names, batch_of, counts, axis_name)
     first = found[0]
     if first.startswith(GATHERED):
         what = (f"all_gather of a padded batch's rows gathers the padded rows too "
@@ -295,12 +329,31 @@ def padded_rows_warning(traced, padded: tuple, axis_name) -> PaddedRowsWarning |
     else:
         what = (f"a sum or mean over the rows of a padded batch reaches a cross-replica "
                 f"collective ({first}) and counts the padded rows")
-    return PaddedRowsWarning(
+    warning = PaddedRowsWarning(
         f"run: {what} whenever a batch splits unevenly or is partial; leave the padding out: "
         f"use `jaxmirror.compute_average_loss`, weight with "
         f"`jaxmirror.get_replica_context().batch_mask`, gather outside the step with "
         f"`strategy.gather` (it keeps the real rows only), or for BatchNorm use "
         f"`jaxmirror.nn.SyncBatchNorm`.")
+    # The reduction (or the all_gather) the first finding names last: the user's line.
+    place = places.get(first.rsplit(" at ", 1)[-1])
+    if place is not None:
+        warning.filename, warning.lineno = place
+    return warning
+
+
+def _per_replica_means_warning(eqn, names, batch_of, counts, axis_name):
+    """``masked_stats``' warning (flax's BatchNorm masked by ``batch_mask``), or ``None``."""
+    places: dict = {}
+    found = masked_stats.per_replica_means(
+        eqn.params["jaxpr"], [i for i, v in enumerate(names) if v in batch_of],
+        [i for i, v in enumerate(names) if v in counts], axis_name, places)
+    if not found:
+        return None
+    warning = PaddedRowsWarning(masked_stats.per_replica_means_message(found))
+    if found[0] in places:  # shown at the user's call of the layer
+        warning.filename, warning.lineno = places[found[0]]
+    return warning
 
 
 def user_stacklevel() -> int:

@@ -12,6 +12,7 @@ was given on other devices.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxmirror.core.values import PerReplica, is_distributed
@@ -80,13 +81,18 @@ def build_replicated(placement, fn, args, kwargs):
     return jax.tree.unflatten(built["tree"], leaves)
 
 
-def mirror_misplaced(placement, args, kwargs):
+def mirror_misplaced(placement, args, kwargs, donate_argnums: tuple = ()):
     """The arguments with arrays on other devices than the strategy's replicated over them.
+
+    A copy that a step donates is made in new buffers: ``jax.device_put`` would reuse the
+    buffer the array already has on one of the strategy's devices, and donating the copy would
+    delete the caller's array too.
 
     Args:
         placement: the strategy's ``Placement``.
         args: a step's positional arguments.
         kwargs: its keyword arguments.
+        donate_argnums: the positions of ``args`` the step donates.
 
     Returns:
         ``(args, kwargs, names)``: ``names`` lists the arguments moved (empty: nothing was).
@@ -101,7 +107,8 @@ def mirror_misplaced(placement, args, kwargs):
             _check_components(x, placement, _argument(path))
         elif _misplaced(x, placement):
             names.append(_argument(path))
-            x = placement.replicate(x)
+            donated = path[0].idx == 0 and path[1].idx in donate_argnums
+            x = placement.replicate(jnp.copy(x) if donated else x)
         leaves.append(x)
     args, kwargs = jax.tree.unflatten(tree, leaves)
     return args, kwargs, names

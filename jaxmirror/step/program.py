@@ -27,13 +27,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxmirror.core import _compat, binding, inflight
-from jaxmirror.core.stateful import Stateful
 from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
 from jaxmirror.runtime import ledger, watch
 from jaxmirror.step import captured_graphs, graphs, placing
-from jaxmirror.step.arguments import (check_arguments, check_not_donated, has_variables,
+from jaxmirror.step.arguments import (check_arguments, check_not_donating, has_variables,
                                       take_variables)
 from jaxmirror.step.call_rules import check_can_run, wants_arguments
+from jaxmirror.step.deleted import check_alive, forget_donated
 from jaxmirror.step.step_sums import (attach_sums, reducible_in_step, reductions_in_step,
                                       sum_paths)
 from jaxmirror.step.static_binding import StaticBinding
@@ -109,8 +109,6 @@ class Program:
 
     def __call__(self, *args, **kwargs):
         check_can_run(self._strategy)
-        if self._donate_argnums:
-            check_not_donated(args, self._donate_argnums, self.__name__)
         mode = self._mode
         if mode is not None:
             return mode(self, args, kwargs)
@@ -135,6 +133,7 @@ class Program:
             return self._call_with_graphs(args, kwargs)
         except (TypeError, ValueError) as err:  # jax.jit refuses Variable arguments, bad ones
             check_arguments(args, kwargs, "run")  # a bad one: name it, in place of JAX's error
+            check_alive(args, kwargs, self.__name__)  # one device: JAX's ValueError for it
             moved = self._mirrored_arguments(args, kwargs, err)
             if moved is not None:
                 return self(*moved[0], **moved[1])
@@ -142,6 +141,11 @@ class Program:
                 raise
             self._mode = Program._call_with_variable_args
             return self._call_with_variable_args(args, kwargs)
+        except RuntimeError:  # JAX's own for a deleted array: name it (see step/deleted.py)
+            check_alive(args, kwargs, self.__name__)
+            raise
+        if self._donate_argnums:  # what JAX took is deleted: a later call raises, not crashes
+            forget_donated(args, self._donate_argnums)
         return self._finish(out, token, sums)
 
     def _call_with_variable_args(self, args, kwargs):
@@ -156,7 +160,7 @@ class Program:
                 if variables and not _compat.trace_state_clean():
                     raise self._transformed_error()
                 if key[1] and self._donate_argnums:
-                    self._check_not_donating_variables(args)
+                    check_not_donating("variables", args, self._donate_argnums, self.__name__)
                 out, token, sums = self._dispatch(bound, variables, a, k)
         except binding.Discovered as found:
             self._capture(found.variables)
@@ -166,10 +170,16 @@ class Program:
             return self._call_with_graphs(args, kwargs)
         except (TypeError, ValueError) as err:
             check_arguments(args, kwargs, "run")  # a bad argument: name it, in place of JAX's
+            check_alive(args, kwargs, self.__name__)
             moved = self._mirrored_arguments(args, kwargs, err)
             if moved is None:
                 raise
             return self._call_with_variable_args(*moved)
+        except RuntimeError:
+            check_alive(args, kwargs, self.__name__)
+            raise
+        if self._donate_argnums:
+            forget_donated(args, self._donate_argnums)
         return self._finish(out, token, sums)
 
     def _mirrored_arguments(self, args, kwargs, err):
@@ -177,7 +187,7 @@ class Program:
         when JAX's ``err`` was not about devices or none is; says once per step that each such
         call pays a copy."""
         args, kwargs, names = placing.mirror_misplaced(self._strategy.extended.placement,
-                                                       args, kwargs)
+                                                       args, kwargs, self._donate_argnums)
         if not names or "devices" not in str(err):  # the step's own error: not ours to retry
             return None
         if not self._warned_placement:
@@ -193,22 +203,26 @@ class Program:
 
     def _call_with_graphs(self, args, kwargs):
         """A call whose arguments hold NNX objects: split, run on their state, updated after."""
-        key, nnx_state, nodes, others = graphs.split_arguments(
-            args, kwargs, self._strategy.extended.placement)
-        program = self._graph_programs.get(key)
-        if program is None:
-            step = functools.partial(_graph_step, self._fn_ref, key)
-            step.__name__ = self.__name__
-            step.user_function_ref = self._fn_ref  # whose closure captured_graphs checks
-            # Donating an NNX object donates its state: the object gets the new arrays.
-            donated = any(graphs.has_graph_nodes(args[i]) for i in self._donate_argnums
-                          if i < len(args))
-            program = Program(self._strategy, step, donate_argnums=(0,) if donated else (),
-                              weak=False)
-            program._counter = self
-            program._sum_first_only = True
-            self._graph_programs[key] = program
-        out, new_state = program(nnx_state, others)
+        try:
+            key, nnx_state, nodes, others = graphs.split_arguments(
+                args, kwargs, self._strategy.extended.placement)
+            program = self._graph_programs.get(key)
+            if program is None:
+                step = functools.partial(_graph_step, self._fn_ref, key)
+                step.__name__ = self.__name__
+                step.user_function_ref = self._fn_ref  # whose closure captured_graphs checks
+                # Donating an NNX object donates its state: the object gets the new arrays.
+                donated = any(graphs.has_graph_nodes(args[i]) for i in self._donate_argnums
+                              if i < len(args))
+                program = Program(self._strategy, step, donate_argnums=(0,) if donated else (),
+                                  weak=False)
+                program._counter = self
+                program._sum_first_only = True
+                self._graph_programs[key] = program
+            out, new_state = program(nnx_state, others)
+        except (RuntimeError, ValueError):  # a deleted array: named as the caller passed it
+            check_alive(args, kwargs, self.__name__)
+            raise
         if program._effects:
             # A host callback may fail at run time; the objects must not take a failed step's
             # arrays (they would raise on every later read), so wait for it here.
@@ -275,35 +289,6 @@ class Program:
             attach_sums(out, sums, self._sum_paths, self._owner)
         return out
 
-    def _donated_argument_holding(self, args, predicate):
-        """The first donated positional argument with a leaf ``predicate`` accepts, or None."""
-        for i in self._donate_argnums:
-            if i < len(args) and any(map(predicate,
-                                         jax.tree.leaves(args[i], is_leaf=is_distributed))):
-                return i
-        return None
-
-    def _check_not_donating_variables(self, args) -> None:
-        i = self._donated_argument_holding(args, lambda x: isinstance(x, Stateful))
-        if i is not None:
-            raise ValueError(
-                f"{self.__name__}: `donate_argnums` includes argument {i}, which holds "
-                f"jaxmirror Variables, and a variable's array is its state, which cannot be "
-                f"donated; donate only arrays (variables are written back after the call anyway)."
-            )
-
-    def _check_not_donating_batches(self, args) -> None:
-        """Trace time only: a batch's leaves share their row counts, which must outlive it."""
-        i = self._donated_argument_holding(
-            args, lambda x: is_per_replica(x) and x.row_counts is not None)
-        if i is not None:
-            raise ValueError(
-                f"{self.__name__}: `donate_argnums` includes argument {i}, a batch from a "
-                f"distributed dataset; its leaves share their row counts with the rest of "
-                f"the batch (and later batches), so it cannot be donated; donate params and "
-                f"optimizer state, not batches."
-            )
-
     def _capture(self, variables: tuple) -> None:
         self._captured = self._captured + variables
         self._captured_key = self._binding(((), (), self._captured))
@@ -352,7 +337,7 @@ class Program:
         padded = tuple(i for i, x in enumerate(leaves)
                        if is_per_replica(x) and x.row_counts is not None)
         if padded and self._donate_argnums:
-            self._check_not_donating_batches(args)
+            check_not_donating("batches", args, self._donate_argnums, self.__name__)
         counts = [leaves[i].row_counts for i in padded]
         leaves += list(captured_states)
         stacked = tuple(is_per_replica(x) for x in leaves) + (False,) * len(counts)

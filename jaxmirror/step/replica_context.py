@@ -8,9 +8,9 @@ from jax import lax
 
 from jaxmirror.core import _compat, context
 from jaxmirror.core.reduce_op import as_reduce_op
-from jaxmirror.core.stateful import is_opaque
+from jaxmirror.core.stateful import Stateful, is_opaque
 from jaxmirror.core.bits import moved
-from jaxmirror.core.values import GatheredPerReplica, Mirrored, PerReplica
+from jaxmirror.core.values import GatheredPerReplica, Mirrored, PerReplica, components
 
 
 def _check_gather_axis(x, axis) -> int:
@@ -225,7 +225,7 @@ class ReplicaContext:
         distributed = self._axis_name is not None and self.num_replicas_in_sync > 1
         if distributed:
             args, kwargs = jax.tree.map(self._lift, (args, kwargs), is_leaf=is_opaque)
-        with context.pushed(context.Entry(strategy, None, in_run=entry.in_run)):
+        with context.pushed(context.Entry(strategy, None, in_run=entry.in_run, merging=self)):
             result = merge_fn(strategy, *args, **kwargs)
         if distributed:
             result = jax.tree.map(lambda x: this_replica(x, self._axis_name), result,
@@ -241,6 +241,90 @@ class ReplicaContext:
     def __repr__(self) -> str:
         return (f"ReplicaContext(strategy={self._strategy!r}, "
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+def call_in_merge(ctx: ReplicaContext, fn, args: tuple, kwargs: dict):
+    """``extended.call_for_each_replica(fn, ...)`` inside ``ctx``'s ``merge_fn``.
+
+    The merge_fn runs inside the step's trace, once for all replicas (SPMD), so ``fn`` is
+    traced once more there, in ``ctx``'s replica context, on each replica's component of the
+    arguments; its results come back to the merge_fn as per-replica values. Exceptions pass
+    through, as in TF.
+
+    Args:
+        ctx: the replica context whose ``merge_call`` runs the current ``merge_fn``.
+        fn: the per-replica function.
+        args: a tuple or list of positional arguments (PerReplica, Mirrored or plain values).
+        kwargs: a dict of keyword arguments, or ``None``.
+
+    Returns:
+        ``fn``'s results, arrays as per-replica values (as the merge_fn's own arguments).
+
+    Raises:
+        TypeError, ValueError: for a ``fn`` that is not callable, or malformed arguments.
+    """
+    if not callable(fn):
+        raise TypeError(f"call_for_each_replica: `fn` must be callable; got {fn!r}.")
+    if not isinstance(args, (list, tuple)) or not isinstance(kwargs, (dict, type(None))):
+        raise ValueError(f"call_for_each_replica: `args` must be a list or tuple and `kwargs` a "
+                         f"dict or None; got {type(args).__name__} and {type(kwargs).__name__}.")
+    args, kwargs = tuple(args), kwargs or {}
+    entry = context.current()
+    distributed = ctx._axis_name is not None and ctx.num_replicas_in_sync > 1
+    if distributed:
+        args, kwargs = jax.tree.map(lambda x: this_replica(x, ctx._axis_name), (args, kwargs),
+                                    is_leaf=is_opaque)
+    with context.pushed(context.Entry(ctx.strategy, ctx, in_run=entry.in_run)):
+        result = fn(*args, **kwargs)
+    if distributed:
+        result = jax.tree.map(ctx._lift, result, is_leaf=is_opaque)
+    return result
+
+
+def call_as_first_replica(strategy, fn, args: tuple, kwargs: dict):
+    """``extended.call_for_each_replica(fn, ...)`` of a ``fn`` that creates variables.
+
+    TF runs ``fn`` once per replica and merges their variable creators: the first replica
+    creates each variable, the others reuse it. A step's trace cannot create variables, so
+    ``fn`` runs here eagerly, once, as replica 0 in ``strategy``'s scope (its collectives and
+    ``merge_call`` see replica 0's values only): the variables are made with replica 0's
+    initial values, as in TF. So that nothing computed from replica 0 alone passes for every
+    replica's result, ``fn`` may return only variables (or ``None``).
+
+    Args:
+        strategy: the strategy whose ``call_for_each_replica`` was called.
+        fn: the function; its arguments get replica 0's component of distributed values.
+        args: a tuple of positional arguments.
+        kwargs: a dict of keyword arguments, or ``None``.
+
+    Returns:
+        ``fn``'s result: the variables it created (or any variables it returns).
+
+    Raises:
+        ValueError: when the result holds anything but variables and ``None``.
+    """
+    args, kwargs = jax.tree.map(_first_component, (tuple(args), kwargs or {}), is_leaf=is_opaque)
+    with strategy.scope():
+        with context.pushed(context.Entry(strategy, ReplicaContext(strategy, 0))):
+            result = fn(*args, **kwargs)
+    bad = [x for x in jax.tree.leaves(result, is_leaf=is_opaque) if not isinstance(x, Stateful)]
+    if bad:
+        raise ValueError(
+            f"call_for_each_replica: `fn` created variables, so it ran once, as replica 0 (TF's "
+            f"first replica, whose variables the others reuse), but it also returned "
+            f"{type(bad[0]).__name__} values, which would be replica 0's only; create the "
+            f"variables first (call_for_each_replica or `strategy.scope()`), then compute with "
+            f"`strategy.run`."
+        )
+    return result
+
+
+def _first_component(x):
+    if isinstance(x, PerReplica):
+        return components(x.stacked)[0]
+    if isinstance(x, Mirrored):
+        return x.value
+    return x
 
 
 def this_replica(x, axis_name):

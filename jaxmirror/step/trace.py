@@ -17,13 +17,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from flax import errors as flax_errors
 
 from jaxmirror.core import _compat, binding, context
 from jaxmirror.core._compat import P
 from jaxmirror.core.values import PerReplica, is_distributed
-from jaxmirror.step import divergence, padding_check, replication, rows
+from jaxmirror.step import captured_graphs, divergence, padding_check, replication, rows
 from jaxmirror.step.replica_context import ReplicaContext
 from jaxmirror.variables.state import state_of
+
+
+# warnings.warn_explicit's record of the warnings shown (as a module's __warningregistry__).
+_WARNED: dict = {}
 
 
 class Traced(NamedTuple):
@@ -182,8 +187,11 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
     sources = rows.row_sources(traced, padded)
     # Once per trace: a hand-written mean over padded rows fed to a collective (padding_check).
     warning = padding_check.padded_rows_warning(traced, padded, placement.axis_name)
-    if warning is not None:
+    if warning is not None and warning.lineno is None:
         warnings.warn(warning, stacklevel=padding_check.user_stacklevel())
+    elif warning is not None:  # shown at the user's line that summed over the padded rows
+        warnings.warn_explicit(warning, type(warning), warning.filename, warning.lineno,
+                               registry=_WARNED)
     n_results = len(sources) - len(found["written"])
     row_source = sources[:n_results] + [None] * len(found["written"])
     return Traced(jaxpr=traced, row_source=row_source,
@@ -193,15 +201,33 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
 def _called(fn, args, kwargs):
     try:
         return fn(*args, **kwargs)
-    except ValueError as err:
-        # flax's words when a step uses NNX objects it reached by closure: say what to do.
+    except (ValueError, flax_errors.TraceContextError) as err:
+        # flax's words when a step uses NNX objects it reached by closure (a Dropout's
+        # nnx.Rngs it cannot update from inside the step's trace): say what to do.
         if "different trace level" not in str(err):
             raise
-        raise ValueError(
-            "run: the step uses flax NNX objects (a model, an optimizer) that it reaches by "
-            "closure; pass them as arguments of the step instead (`step(model, optimizer, "
-            "batch)`): run then updates them after each call, as nnx.jit does."
-        ) from err
+        raise ValueError(_closure_message(fn, err)) from err
+
+
+def _closure_message(fn, err) -> str:
+    user = fn  # the user's own function, behind the wrappers of NNX and fused steps
+    while getattr(user, "user_function_ref", None) is not None:
+        user = user.user_function_ref()
+    reached = captured_graphs.reached_objects(user)
+    names = ", ".join(f"`{name}` ({type(obj).__name__})" for name, obj in reached)
+    example = reached[0][0].rsplit(".", 1)[-1] if reached else "model"
+    example = example if example.isidentifier() else "model"
+    flax_said = str(err).split(" (https://", 1)[0].split("\n", 1)[0]
+    return (
+        f"run: the step uses flax NNX objects that it reaches by closure; pass them as "
+        f"arguments of the step instead{': ' + names if names else ''}, e.g. "
+        f"`step({example}, batch)` for `def step({example}, batch)`: run then updates them "
+        f"after each call, as nnx.jit does (flax: {flax_said}: an object read by closure, a "
+        f"Dropout's nnx.Rngs say, cannot be updated from inside a compiled step). For a test "
+        f"step, also turn "
+        f"dropout off first, as TF's `training=False` does: `{example}.eval()` outside the "
+        f"step, or layers built with deterministic=True."
+    )
 
 
 def fingerprint(traced: Traced) -> str:

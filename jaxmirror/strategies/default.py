@@ -55,7 +55,8 @@ class DefaultStrategy(Strategy):
     def scope(self):
         if context.has_strategy():
             raise RuntimeError("Must not nest jaxmirror Strategy scopes.")  # TF's wording
-        yield self
+        with context.default_scope():  # no context pushed: TF's default scope pushes none
+            yield self
 
 
 def _make_default() -> tuple:

@@ -11,7 +11,9 @@ from jaxmirror.core import devices as devices_lib
 from jaxmirror.core.placement import Placement
 from jaxmirror.collectives.communication import CommunicationOptions
 from jaxmirror.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce, checked_options
+from jaxmirror.step.replica_context import call_as_first_replica, call_in_merge
 from jaxmirror.strategies import updates
+from jaxmirror.variables import creation
 from jaxmirror.variables.variable import Variable
 
 
@@ -160,13 +162,24 @@ class StrategyExtended:
     def call_for_each_replica(self, fn, args=(), kwargs=None):
         """Run ``fn`` on every replica now (the same as ``strategy.run(fn, args, kwargs)``).
 
+        Inside a ``merge_fn`` (as in TF) ``fn`` is traced once more in the step, in the replica
+        context, on each replica's component of ``args``; its results reach the ``merge_fn`` as
+        per-replica values. A ``fn`` that creates variables (not possible inside a step's trace)
+        runs once, eagerly, as replica 0 in the strategy's scope, as TF's merged variable
+        creators make each variable once with the first replica's value; it may return only
+        variables then.
+
         Args:
             fn: the per-replica function.
             args: a tuple or list of positional arguments.
             kwargs: a dict of keyword arguments.
 
         Returns:
-            The merged results, as ``Strategy.run`` returns them.
+            The merged results, as ``Strategy.run`` returns them (the variables ``fn`` made).
+
+        Raises:
+            ValueError: when a ``fn`` that creates variables returns anything else.
+            RuntimeError: when ``fn`` creates variables inside ``run``.
 
         Example:
             >>> import jaxmirror
@@ -175,8 +188,20 @@ class StrategyExtended:
             ...     lambda: jaxmirror.get_replica_context().replica_id_in_sync_group)
             >>> [int(x) for x in s.experimental_local_results(r)]
             [0, 1]
+            >>> v = s.extended.call_for_each_replica(lambda: jaxmirror.Variable(1.0))
+            >>> type(v).__name__, [float(x) for x in s.experimental_local_results(v)]
+            ('MirroredVariable', [1.0, 1.0])
         """
-        return self._container_strategy_ref.run(fn, args=args, kwargs=kwargs)
+        strategy = self._container_strategy_ref
+        entry = context.current()
+        if entry.merging is not None and entry.merging.strategy is strategy:  # in its merge_fn
+            return call_in_merge(entry.merging, fn, args, kwargs)
+        try:
+            return strategy.run(fn, args=args, kwargs=kwargs)
+        except creation.CreatedInRun:
+            if entry.in_run:  # inside a step's trace variables cannot be made
+                raise
+        return call_as_first_replica(strategy, fn, args, kwargs)  # TF: replica 0 creates them
 
     # -- variables and their locality (TF's StrategyExtended page) ------------------------
     def reduce_to(self, reduce_op, value, destinations, options=None):

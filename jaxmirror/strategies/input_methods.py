@@ -222,7 +222,7 @@ class InputMethods:
         """An iterator over ``dataset``'s global batches, split over the replicas (TF 1).
 
         The same as ``iter(experimental_distribute_dataset(dataset))``; ``initialize()`` on it
-        is accepted and does nothing.
+        (or its ``initializer``) starts it over, as TF's does eagerly.
 
         Args:
             dataset: a dataset of global batches (see ``experimental_distribute_dataset``).

@@ -211,6 +211,8 @@ class ParameterServerStrategy(Strategy):
 
     Raises:
         ValueError: for a resolver without ``worker`` and ``ps`` jobs.
+        TimeoutError: when a local Ray node did not start in time
+            (on a busy machine give it longer: ``RayClusterResolver(startup_timeout_seconds=)``).
 
     Example:
         >>> import jaxmirror                                                 # doctest: +SKIP

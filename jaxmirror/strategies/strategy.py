@@ -175,7 +175,11 @@ class Strategy(InputMethods):
             steps_per_execution: ``None``, or an int K: the step is called as
                 ``step(iterator, *args)`` and runs ``fn(element, *args)`` on the next K
                 elements of ``iterator`` in one compiled program, results stacked along a new
-                leading axis (see ``FusedStep``; Keras's ``steps_per_execution``).
+                leading axis (see ``FusedStep``; Keras's ``steps_per_execution``). A call
+                returns once its steps have run; when one fails (a raising callback, an XLA
+                error) the call raises, the variables and NNX objects keep their values, and
+                the K elements go back into a distributed iterator: the next call retries
+                them (``next(iterator)`` K times skips them); the error's note says how many.
             carry_argnums: with ``steps_per_execution``: positions of ``fn``'s arguments that
                 it returns updated, first (``return params, opt_state, loss``), carried from
                 step to step.

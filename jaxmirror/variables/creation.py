@@ -58,39 +58,62 @@ def owning_strategy():
 
     Returns:
         A ``Strategy`` or ``None``.
+
+    Raises:
+        RuntimeError: in another strategy's scope entered inside the default strategy's scope
+            (TF's "Mixing different tf.distribute.Strategy objects").
     """
     entry = context.current()
-    return entry.strategy if entry.strategy is not context.default_strategy() else None
+    default = context.default_strategy()
+    if entry.strategy is default:
+        return None
+    if context.in_default_scope():  # TF's default-scope variable creator refuses it
+        raise context.mixing_error(default, entry.strategy)
+    return entry.strategy
 
 
 def checked_trainable(trainable, sync, name: str) -> bool:
     """``trainable`` as TF 2 resolves it: ``None`` means True, except for ON_READ variables.
 
-    Raises:
-        ValueError: for ``trainable=True`` with ON_READ (TF's message).
+    TF 2's ``tf.Variable`` keeps ``trainable=True`` with ON_READ (only TF 1's ``get_variable``
+    refuses it), and so does jaxmirror.
+
+    Args:
+        trainable: what ``Variable`` was given (``None``, or a bool).
+        sync: the ``VariableSynchronization``.
+        name: the variable's name.
+
+    Returns:
+        A bool.
+
+    Example:
+        >>> checked_trainable(None, Sync.ON_READ, "v"), checked_trainable(True, Sync.ON_READ, "v")
+        (False, True)
     """
+    del name
     if trainable is None:
         return sync is not Sync.ON_READ
-    if trainable and sync is Sync.ON_READ:
-        raise ValueError(  # TF's wording, on purpose
-            "Synchronization value can be set to VariableSynchronization.ON_READ only for "
-            f"non-trainable variables. You have specified trainable=True and "
-            f"synchronization=VariableSynchronization.ON_READ (variable {name!r})."
-        )
     return bool(trainable)
+
+
+class CreatedInRun(RuntimeError):
+    """A variable created inside ``run`` (``call_for_each_replica`` then creates it eagerly)."""
 
 
 def checked_owner(sync, name: str):
     """The strategy that owns a variable created here; raises where none may be created.
 
     Raises:
-        RuntimeError: inside ``run``.
+        CreatedInRun: inside ``run``.
         ValueError: for ``synchronization=NONE`` in a strategy's scope (TF's message).
     """
     if context.current().in_run:
-        raise RuntimeError(
-            f"Variable: {name!r} was created inside `run`; create variables before the step "
-            f"(inside `strategy.scope()`) and use them in it by argument or closure."
+        raise CreatedInRun(
+            f"Variable: {name!r} was created inside `run`, whose function is traced once for "
+            f"every replica and compiled (a variable made there would exist only in that "
+            f"trace); create variables before the step (inside `strategy.scope()`, or with "
+            f"`strategy.extended.call_for_each_replica` outside `run`) and use them in it by "
+            f"argument or closure."
         )
     strategy = owning_strategy()
     if strategy is not None and sync is Sync.NONE:

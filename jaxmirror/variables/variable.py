@@ -74,7 +74,7 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
     Args:
         initial_value: an array, a Python number, or a callable returning one.
         trainable: whether gradient-based training should update it; ``None`` means True,
-            except for ON_READ variables (which must not be trainable).
+            except for ON_READ variables (which may still be made trainable, as in TF 2).
         synchronization: a ``VariableSynchronization`` or its name.
         aggregation: a ``VariableAggregation`` or its name.
         dtype: the dtype; by default the initial value's.
@@ -82,8 +82,9 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
 
     Raises:
         ValueError: for a missing initial value, an unknown synchronization or aggregation,
-            ``trainable=True`` with ON_READ, or ``synchronization=NONE`` inside a scope.
-        RuntimeError: when created inside ``run`` (create variables before the step).
+            or ``synchronization=NONE`` inside a scope.
+        RuntimeError: when created inside ``run`` (create variables before the step), or in
+            another strategy's scope entered inside the default strategy's scope.
 
     Example:
         >>> import jaxmirror
