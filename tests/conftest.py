@@ -40,3 +40,16 @@ def ctx():
 def local(s, value):
     """``s``'s local results of ``value`` as NumPy arrays."""
     return [np.asarray(c) for c in s.experimental_local_results(value)]
+
+
+@pytest.fixture
+def nothing_open():
+    """No step open or in flight before and after the test (failure tests start clean)."""
+    from jaxmirror.core import inflight
+    from jaxmirror.variables import state
+
+    state.settle_all()
+    inflight.drain()
+    yield
+    state.settle_all()
+    inflight.drain()

@@ -167,3 +167,52 @@ def test_default_replica_context_collectives_return_input():
         ctx.all_reduce("MAX", 1.0)
     with pytest.raises(ValueError, match="rank >= 1"):
         ctx.all_gather(jnp.float32(1), axis=0)
+
+
+def test_experimental_set_strategy_to_the_default_and_back():
+    # TF: setting the default strategy enters its scope (its variable creator refuses another
+    # strategy's variables) and `experimental_set_strategy(None)` leaves it again.
+    s, default = mirrored(2), jm.get_strategy()
+    jm.experimental_set_strategy(default)
+    try:
+        assert jm.get_strategy() is default and not jm.has_strategy()
+        jm.experimental_set_strategy(default)  # setting again is fine
+        with pytest.raises(RuntimeError, match="Mixing different"):
+            with s.scope():
+                jm.Variable(1.0)
+    finally:
+        jm.experimental_set_strategy(None)
+    with s.scope():
+        v = jm.Variable(1.0)
+    assert [float(x) for x in s.experimental_local_results(v)] == [1.0, 1.0]
+    jm.experimental_set_strategy(default)
+    jm.experimental_set_strategy(s)  # from the default straight to another strategy
+    try:
+        assert jm.get_strategy() is s and jm.has_strategy()
+    finally:
+        jm.experimental_set_strategy(None)
+    assert not jm.has_strategy()
+
+
+def test_default_scope_left_from_another_thread():
+    # a default scope whose generator is finished elsewhere (the garbage collector's thread,
+    # or at interpreter exit) still leaves the scope of the thread that entered it
+    import threading
+
+    s, scope = mirrored(2), jm.get_strategy().scope()
+    scope.__enter__()
+    errors = []
+
+    def leave():
+        try:
+            scope.__exit__(None, None, None)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=leave)
+    t.start()
+    t.join()
+    assert errors == []
+    with s.scope():
+        v = jm.Variable(2.0)
+    assert [float(x) for x in s.experimental_local_results(v)] == [2.0, 2.0]

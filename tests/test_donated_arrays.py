@@ -145,3 +145,20 @@ def test_a_donating_step_inside_jax_jit_still_computes():
     assert jax.jit(lambda p: step(p))(params)["w"].tolist() == [9.0] * 3
     assert not params["w"].is_deleted()  # an outer jit's call donates nothing
     assert step(params)["w"].tolist() == [9.0] * 3 and params["w"].is_deleted()
+
+
+@pytest.mark.parametrize("donated", [(0, 1), (0,)])
+def test_an_array_given_twice_to_a_donating_step_is_named_not_a_crash(donated):
+    s = strategy(2)  # JAX: "Attempt to donate the same buffer twice", then SIGSEGV
+    step = s.function(lambda params, ema: (_plus_one(params), ema), donate_argnums=donated)
+    params = _params(s, w=1.0)
+    with pytest.raises(ValueError, match=r"args\[0\]\['w'\] and args\[1\]\['w'\] are the "
+                       r"same array, and argument.* donated; .*jnp.copy"):
+        step(params, params)  # TF's EMA habit: ema = params
+    assert params["w"].tolist() == [1.0] * 3  # refused before anything ran
+    new, ema = step(params, jax.tree.map(jnp.copy, params))
+    assert new["w"].tolist() == [2.0] * 3 and ema["w"].tolist() == [1.0] * 3
+    same = s.experimental_replicate(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"kwargs\['ema'\]"):
+        s.function(lambda params, ema: params, donate_argnums=(0,))(same, ema=same)
+

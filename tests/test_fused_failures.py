@@ -165,3 +165,109 @@ def test_nnx_objects_of_a_failed_fused_call_keep_their_state_and_the_retry_conti
         _armed[0] = False
     assert float(model.w[...]) == 30.0
     assert np.asarray(fused(it, model)).tolist() == [42.0, 56.0, 72.0]
+
+
+def _carry_step(batch, params):
+    total = jaxmirror.get_replica_context().all_reduce("sum", batch[0])
+    checked = jax.pure_callback(_check, jax.ShapeDtypeStruct((), jnp.float32), total)
+    return {"w": params["w"] + checked}, checked
+
+
+def test_a_donating_fused_call_that_fails_raises_its_own_error_and_says_what_it_used_up():
+    s = strategy(2)
+    fused = s.function(_carry_step, steps_per_execution=3, carry_argnums=(1,),
+                       donate_argnums=(1,))
+    it = iter(s.experimental_distribute_dataset(_data(9)[6:]))
+    params = s.experimental_replicate({"w": np.zeros((), np.float32)})
+    _armed[0] = True
+    try:
+        with pytest.raises(Exception, match="bad batch") as failure:  # not "donated earlier"
+            fused(it, params)
+    finally:
+        _armed[0] = False
+    note = "\n".join(failure.value.__notes__)
+    assert "donate_argnums=(1,)" in note and "used up" in note and "3 elements" in note
+    assert int(it.checkpoint_state()[1]) == 0  # the batches are back
+    fresh = s.experimental_replicate({"w": np.zeros((), np.float32)})
+    out, totals = fused(it, fresh)  # a retry from a copy made before the call
+    assert float(out["w"]) == 2 * (6.0 + 7.0 + 8.0)
+
+
+def test_steps_applied_before_a_nan_give_their_carried_results_on_the_error():
+    s = strategy(2)
+
+    def step(batch, params):
+        total = jaxmirror.get_replica_context().all_reduce("sum", batch[0])
+        return {"w": params["w"] + jnp.log(total)}, total
+
+    fused = s.function(step, steps_per_execution=4, carry_argnums=(1,))
+    half_e = np.float32(np.e / 2)
+    it = iter(s.experimental_distribute_dataset(
+        [np.full(4, half_e, np.float32)] * 2 + [np.full(4, -1.0, np.float32)] * 2))
+    params = s.experimental_replicate({"w": np.zeros((), np.float32)})
+    jax.config.update("jax_debug_nans", True)
+    try:
+        with pytest.raises(FloatingPointError, match="log") as failure:
+            fused(it, params)
+    finally:
+        jax.config.update("jax_debug_nans", False)
+    applied, totals = failure.value.applied_results
+    assert float(applied["w"]) == pytest.approx(2.0, rel=1e-6)  # two steps of log(e)
+    assert np.asarray(totals).tolist() == [2 * half_e] * 2
+    assert "2 of its steps were applied" in "\n".join(failure.value.__notes__)
+    assert int(it.checkpoint_state()[1]) == 2 and float(params["w"]) == 0.0
+
+
+def test_programs_of_a_call_that_ran_before_the_failed_one_give_their_results():
+    s = strategy(2)
+    fused = s.function(_carry_step, steps_per_execution=4, carry_argnums=(1,))
+    # Three batches of 4 rows, then one of 6 (BAD): two programs in one call, the 2nd fails.
+    elements = list(iter(s.experimental_distribute_dataset(
+        [np.full(4, 1.0, np.float32)] * 3 + [np.full(6, BAD, np.float32)])))
+    params = s.experimental_replicate({"w": np.zeros((), np.float32)})
+    _armed[0] = True
+    try:
+        with pytest.raises(Exception, match="bad batch") as failure:
+            fused(iter(elements), params)
+    finally:
+        _armed[0] = False
+    applied, totals = failure.value.applied_results
+    assert float(applied["w"]) == 6.0 and np.asarray(totals).tolist() == [2.0] * 3
+    assert failure.value.unapplied_elements == elements[3:]
+
+
+def test_a_caught_failure_is_not_raised_again_by_effects_barrier():
+    s = strategy(2)
+    fused = s.function(_carry_step, steps_per_execution=2, carry_argnums=(1,))
+    it = iter(s.experimental_distribute_dataset(_data(8)[6:]))
+    params = s.experimental_replicate({"w": np.zeros((), np.float32)})
+    _armed[0] = True
+    try:
+        with pytest.raises(Exception, match="bad batch"):
+            fused(it, params)
+    finally:
+        _armed[0] = False
+    jax.effects_barrier()  # would raise the failed step's error again
+    assert float(fused(it, params)[0]["w"]) == 2 * (6.0 + 7.0)
+
+
+def test_after_a_failed_call_initialize_starts_over_and_a_good_call_keeps_nothing_back():
+    s = strategy(2)
+    with s.scope():
+        v = jaxmirror.Variable(0.0)
+    fused = s.function(_step_with(v), steps_per_execution=2)
+    it = s.make_dataset_iterator(_data(10)[5:])  # 5, 6, 7 (BAD), 8, 9
+    fused(it)
+    it.put_back(1)  # the call succeeded: nothing of it can come back
+    assert s.experimental_local_results(next(it))[0].tolist() == [7.0, 7.0]
+    it.initialize()
+    _armed[0] = True
+    try:
+        with pytest.raises(Exception, match="bad batch"):
+            fused(it)  # 5 and 6
+            fused(it)  # 7 fails
+    finally:
+        _armed[0] = False
+    it.initialize()  # TF: the iterator starts over
+    assert s.experimental_local_results(next(it))[0].tolist() == [5.0, 5.0]
+    assert int(it.checkpoint_state()[1]) == 1

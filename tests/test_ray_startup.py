@@ -128,7 +128,8 @@ def test_other_start_errors_are_not_retried(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("bad", [0, -1, "60", True, float("nan")])
+@pytest.mark.parametrize("bad", [0, -1, "60", True, float("nan"), float("inf"),
+                                 pytest.param(10 ** 400, id="too-big-for-a-float")])
 def test_startup_timeout_must_be_a_positive_number(bad):
     with pytest.raises(ValueError, match=r"RayClusterResolver: `startup_timeout_seconds` must be"):
         jm.cluster_resolver.RayClusterResolver(1, 1, startup_timeout_seconds=bad)

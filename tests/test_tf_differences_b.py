@@ -187,6 +187,49 @@ def test_call_for_each_replica_creating_variables_refuses_computed_results():
         s.extended.call_for_each_replica(model_fn)
 
 
+def _creating(collective):
+    def model_fn():
+        v = jm.Variable(1.0)
+        collective(jm.get_replica_context())
+        return v
+    return model_fn
+
+
+@pytest.mark.parametrize("collective", [
+    lambda ctx: ctx.all_reduce("sum", 1.0),
+    lambda ctx: ctx.all_gather(np.ones(2, np.float32), axis=0),
+    lambda ctx: ctx.merge_call(lambda st, x: x, args=(np.float32(rid()),)),
+], ids=["all_reduce", "all_gather", "merge_call"])
+def test_call_for_each_replica_creating_variables_refuses_collectives(collective):
+    # TF's all_reduce("sum", 1.0) there gives N (every replica runs `fn`); replica 0 alone
+    # would give 1.0, so the replica-0 run refuses what would need the other replicas.
+    s = strategy(2)
+    with pytest.raises(RuntimeError, match=r"call_for_each_replica: `fn` creates variables, so "
+                                           r"it runs once, as replica 0, where `\w+` cannot"):
+        s.extended.call_for_each_replica(_creating(collective))
+    assert not jm.has_strategy() and jm.get_replica_context() is not None
+    one = strategy(1)  # one replica: replica 0 is every replica, so TF's numbers
+    v = one.extended.call_for_each_replica(
+        lambda: jm.Variable(jm.get_replica_context().all_reduce("sum", 3.0)))
+    assert [float(x) for x in local(one, v)] == [3.0]
+
+
+def test_call_for_each_replica_creating_variables_runs_the_code_before_them_twice():
+    # Documented: `fn` is first traced in a step (`run`), abandoned at the first variable, then
+    # run eagerly as replica 0; what the trace stored outside `fn` is a tracer of a dead trace.
+    s, log = strategy(2), []
+
+    def model_fn():
+        log.append(np.float32(2) * jm.get_replica_context().all_reduce("sum", 1.0))
+        return jm.Variable(1.0)
+
+    with pytest.raises(RuntimeError, match="`all_reduce` cannot"):
+        s.extended.call_for_each_replica(model_fn)
+    assert len(log) == 1  # the traced run's entry; the eager run stopped at its all_reduce
+    doc = s.extended.call_for_each_replica.__doc__
+    assert "twice" in doc and "abandoned" in doc
+
+
 def test_variable_created_inside_run_still_raises_with_why():
     s = strategy(2)
     with pytest.raises(RuntimeError, match="created inside `run`.*traced once"):

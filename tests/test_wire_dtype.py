@@ -93,3 +93,42 @@ def test_a_value_beyond_float16_is_inf_on_the_wire():
     half, bf = s.run(step)
     assert half.dtype == jnp.float32 and float(half) == np.inf
     assert bf.dtype == jnp.float32 and float(bf) == 8 * float(jnp.bfloat16(1e5))
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_every_ops_rounds_each_replicas_value_once(name):
+    # 1 + 2**-10 is not a bfloat16: each replica's (i + 1) * (1 + 2**-10) goes on the wire as
+    # i + 1, its own included (the accumulating replica's too), so every ops gives the sum of
+    # the rounded values: 36 (unrounded it would be 36 * (1 + 2**-10)).
+    s = _strategy(name)
+
+    def step():
+        ctx = jm.get_replica_context()
+        x = (1.0 + 2.0 ** -10) * (ctx.replica_id_in_sync_group + 1.0) * jnp.ones((3,))
+        return ctx.all_reduce("sum", x, options=BF16), ctx.all_reduce("mean", x, options=BF16), x
+
+    total, mean, per_replica = s.run(step)
+    _check(total, 36.0)
+    _check(mean, 4.5)
+    _check(s.extended.reduce_to("sum", per_replica, "CPU:5", options=BF16), 36.0)
+
+
+@pytest.mark.parametrize("wire", [HALF, BF16], ids=["float16", "bfloat16"])
+def test_an_integer_mean_is_never_narrowed(wire):
+    s = _strategy("nccl")  # 1000001 + i: neither float16 nor bfloat16 holds them
+    ints = s.experimental_distribute_values_from_function(
+        lambda ctx: jnp.int32(1000001 + ctx.replica_id_in_sync_group))
+    exact = 1000001 + 3.5
+
+    def step(x):
+        ctx = jm.get_replica_context()
+        return (ctx.all_reduce("mean", x, options=wire),
+                ctx.all_reduce("mean", {"f": jnp.float32(40960.0), "i": x}, options=wire))
+
+    mean, mixed = s.function(step)(ints)
+    _check(mean, exact)
+    _check(mixed["i"], exact)
+    _check(mixed["f"], 40960.0)  # the float leaf of the same nest still goes narrowed
+    _check(s.extended.reduce_to("mean", ints, "CPU:0", options=wire), exact)
+    _check(s.extended.batch_reduce_to("mean", [(ints, "CPU:1")], options=wire)[0], exact)
+    assert int(s.extended.reduce_to("sum", ints, "CPU:0", options=wire)) == 8 * 1000001 + 28

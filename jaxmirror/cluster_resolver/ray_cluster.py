@@ -31,11 +31,14 @@ def _resources(name: str, value) -> dict | None:
 
 
 def _seconds(value) -> float:
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value)
-            or value <= 0):
-        raise ValueError(f"RayClusterResolver: `startup_timeout_seconds` must be a number of "
-                         f"seconds > 0, got {value!r}; give e.g. 300 on a busy machine.")
-    return float(value)
+    try:  # an int too big for a float overflows
+        seconds = float(value) if isinstance(value, (int, float)) else math.nan
+    except OverflowError:
+        seconds = math.inf
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"RayClusterResolver: `startup_timeout_seconds` must be a finite number "
+                         f"of seconds > 0, got {value!r}; give e.g. 300 on a busy machine.")
+    return seconds
 
 
 def _try_init(ray, kwargs: dict, timeout: float, wait: int) -> None:

@@ -152,7 +152,7 @@ def to_one_device(buf, axis_name, num_replicas: int, target: int, accumulation_f
     n = num_replicas
     sent = narrowed(buf, wire)
     values = [None] * n
-    values[target] = buf
+    values[target] = sent.astype(buf.dtype)  # its own value rounded too, as everyone's is
     for k in range(1, n):  # every other replica sends its buffer to the target
         source = (target + k) % n
         values[source] = lax.ppermute(sent, axis_name, [(source, target)]).astype(buf.dtype)

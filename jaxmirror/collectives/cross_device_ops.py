@@ -118,19 +118,29 @@ class CrossDeviceOps:
         options = options or CommunicationOptions()
         leaves, tree = jax.tree.flatten(value)
         wire, n = options.wire_dtype, len(devices)
+        # Integers of a MEAN over a narrow wire go as float32 on a wire of their own.
+        exact = [op is ReduceOp.MEAN and wire is not None
+                 and not jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves]
         if op is ReduceOp.MEAN:
             leaves = [as_float(x) for x in leaves]
             if wire is not None:  # divided first, so that a mean that fits the wire fits it
-                leaves = [x / n for x in leaves]
+                leaves = [x if e else x / n for x, e in zip(leaves, exact)]
         else:  # one rule for every ops: booleans add up as counts, as jnp.sum counts them
             leaves = [_counted(x) for x in leaves]
         # The gradient of a sum across replicas is a sum across replicas: replicated as well.
         leaves = [mark_gradient_replicated(x) for x in leaves]
-        sums = packing.packed_apply(
-            leaves, lambda b: self.sum_buffer(b, axis_name, devices, wire),
-            self.num_packs, options.bytes_per_pack, multiple_of=self.pad_multiple(n, wire))
-        if op is ReduceOp.MEAN and wire is None:
-            sums = [x / n for x in sums]
+        sums = [None] * len(leaves)
+        for whole in (False, True):
+            chosen = [i for i, e in enumerate(exact) if e is whole]
+            if chosen:
+                on = None if whole else wire
+                part = packing.packed_apply(
+                    [leaves[i] for i in chosen],
+                    lambda b, on=on: self.sum_buffer(b, axis_name, devices, on),
+                    self.num_packs, options.bytes_per_pack,
+                    multiple_of=self.pad_multiple(n, on))
+                for i, x in zip(chosen, part):
+                    sums[i] = x / n if op is ReduceOp.MEAN and (wire is None or whole) else x
         # Grouped and permuting collectives end replicated here; the analysis cannot see it.
         return jax.tree.unflatten(tree, [mark_replicated(x) for x in sums])
 

@@ -10,6 +10,7 @@ import sys
 
 import jax
 import numpy as np
+from jax._src import api as _api  # nor the C++ jit's NaN-check hook (see below)
 from jax._src import core as _core  # trace_state_clean has no public spelling in 0.10
 from jax._src import dispatch as _dispatch  # nor JAX's per-device effect tokens
 from jax._src import distributed as _distributed  # nor the coordinator a process joined
@@ -85,13 +86,25 @@ def put_host_arrays(arrays: list, shardings: list) -> list:
                                 [_xc.ArrayCopySemantics.REUSE_INPUT] * n, list(arrays))
 
 
-def forget_failed_effect_tokens() -> None:
+# Called (no arguments) when a caller raises a step's run-time failure itself: the variables'
+# state then reports it no more (see ``forget_failed_effect_tokens``).
+failure_reported_hooks: list = []
+
+
+def forget_failed_effect_tokens(reported_here: bool = True) -> None:
     """Drop JAX's per-device effect tokens that carry a failed computation's error.
 
     JAX keeps the token of the last computation with host callbacks on each device, and waits
     on it in ``jax.effects_barrier()`` and at exit; a failed step's token would raise its error
     again there, from an unrelated place (or print it at exit). Called once a failure is known.
+
+    Args:
+        reported_here: the caller raises the failure now (a call that waited for its step):
+            ``failure_reported_hooks`` run, so that its variables do not raise it again.
     """
+    if reported_here:
+        for hook in failure_reported_hooks:
+            hook()
     tokens = _dispatch.runtime_tokens.output_runtime_tokens
     for device, token in list(tokens.items()):
         try:
@@ -340,6 +353,39 @@ def kv_delete(client, key: str) -> None:
         key: the key.
     """
     client.key_value_delete(key)
+
+
+def _keep_nan_checks_on() -> None:
+    """Keep ``jax_debug_nans``/``jax_debug_infs`` checking every ``jax.jit`` call on a thread
+    where ``with jax.debug_nans(False):`` (or ``debug_infs``) was left before.
+
+    JAX 0.10.2 checks the outputs of a call that its C++ cache dispatches (every call after a
+    signature's first) through a hook that leaving such a block sets to ``None`` for the
+    thread, not back to unset; JAX leaves one in every ``jaxpr_as_fun`` call, eager
+    ``shard_map`` and some ``jnp`` reductions, so from then on a NaN went unchecked. Here the
+    hook goes back to unset (the global setting) once neither flag is set for the thread.
+    """
+    unset = getattr(getattr(_config, "config_ext", None), "unset", None)
+    flags = (_config.debug_nans, _config.debug_infs)
+    if (unset is None or not hasattr(_api, "_post_hook_state")
+            or not all(hasattr(f, "_update_thread_local_hook") for f in flags)):
+        return  # another JAX: its own hooks, left as they are
+
+    def after(jax_hook):
+        def hook(value):
+            jax_hook(value)
+            if all(flag.get_local() is unset for flag in flags):
+                _api._post_hook_state.set_local(unset)
+        return hook
+
+    for flag in flags:
+        flag._update_thread_local_hook = after(flag._update_thread_local_hook)
+    if all(flag.get_local() is unset for flag in flags):  # a block left before this import
+        _api._post_hook_state.set_local(unset)
+
+
+_keep_nan_checks_on()
+
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec", "Primitive",

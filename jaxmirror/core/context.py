@@ -72,7 +72,8 @@ def _stack() -> list:
     except AttributeError:
         _local.stack = [_bottom()]
         _local.global_scope = None
-        _local.default_scopes = 0
+        _local.global_depth = 1  # the stack's depth with the global scope entered
+        _local.default_scopes = [0]  # a list: its generator may finish on another thread
         return _local.stack
 
 
@@ -98,17 +99,18 @@ def default_scope():
     """Enter the default strategy's scope: TF pushes no context for it, only a variable
     creator that refuses variables of another strategy (``in_default_scope``)."""
     _stack()
-    _local.default_scopes += 1
+    count = _local.default_scopes  # this thread's, even if the generator ends elsewhere
+    count[0] += 1
     try:
         yield
     finally:
-        _local.default_scopes -= 1
+        count[0] -= 1
 
 
 def in_default_scope() -> bool:
     """Whether the default strategy's ``scope()`` is entered on this thread."""
     _stack()
-    return _local.default_scopes > 0
+    return _local.default_scopes[0] > 0
 
 
 def mixing_error(current_strategy, strategy) -> RuntimeError:
@@ -229,6 +231,8 @@ def experimental_set_strategy(strategy) -> None:
 
     As ``tf.distribute.experimental_set_strategy``: the same as entering ``strategy.scope()`` and
     leaving it only at the next call. Calling it inside a ``with strategy.scope()`` block raises.
+    Setting the default strategy enters its scope, as in TF: until the next call, variables made
+    in another strategy's scope raise "Mixing different ... Strategy objects".
 
     Args:
         strategy: a ``Strategy``, or ``None`` to return to the default strategy.
@@ -251,7 +255,7 @@ def experimental_set_strategy(strategy) -> None:
     """
     stack = _stack()
     old = _local.global_scope
-    if len(stack) != (1 if old is None else 2):
+    if len(stack) != (1 if old is None else _local.global_depth):  # the default's pushes none
         raise RuntimeError("Must not be called inside a jaxmirror Strategy scope.")  # TF's wording
     if old is not None:
         old.__exit__(None, None, None)
@@ -259,4 +263,4 @@ def experimental_set_strategy(strategy) -> None:
     if strategy is not None:
         scope = strategy.scope()
         scope.__enter__()
-        _local.global_scope = scope
+        _local.global_scope, _local.global_depth = scope, len(stack)

@@ -170,10 +170,11 @@ class DistributedDatasetsFromFunction(DistributedDataset):
         if min(counts) == 0:
             ended = [i for i, c in enumerate(counts) if c == 0]
             raise ValueError(
-                f"{self._what}: the per-replica datasets are unbatched, and those of replica(s) "
-                f"{ended} ended while others still have elements; an unbatched element cannot "
-                f"be padded, so make every pipeline equally long, or batch them (then a "
-                f"shorter pipeline's replica gets zero rows).")
+                f"{self._what}: the datasets are unbatched (each replica takes one element per "
+                f"step), and in this step replica(s) {ended} got none while the others got one; "
+                f"an unbatched element cannot be padded, so give every replica as many elements "
+                f"(with one dataset per worker: a multiple of its {len(counts)} replicas), or "
+                f"batch them (then a replica left short gets zero rows).")
         if self._topology.num_replicas == 1:
             return self._placer.place_single(tree, [a[0] for a in checked[0][0]])
         return self._placer.place(tree, [np.stack([c[0][j][0] for c in checked])

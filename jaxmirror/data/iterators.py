@@ -206,7 +206,8 @@ class DistributedIterator(Checkpointable):
         too, so a checkpoint saves it as if they had not been taken).
 
         Args:
-            n: how many (at most the number taken).
+            n: how many (at most the number taken); ``0`` once they all took effect, which
+                lets the iterator drop them.
 
         Example:
             >>> import numpy as np, jaxmirror
@@ -261,13 +262,14 @@ class DistributedIterator(Checkpointable):
         Returns:
             ``[]`` (no initializer ops to run).
         """
-        if self._last is not None or self._taken or self._ended:  # else this pass is new
+        if self._given or self._ended:  # else this pass is new (nothing given yet)
             fresh = self._dataset.iterator_at(0, adopted_by=self)
             self.close()
             vars(self).update(vars(fresh))
         return []
 
-    initializer = property(initialize, doc="TF 1's ``initializer``: ``initialize()``'s.")
+    initializer = property(initialize, doc="TF 1's ``initializer``, as TF's: reading it calls "
+                                           "``initialize()``, which starts the pass over.")
 
     def close(self) -> None:
         """Stop prefetching; the iterator ends."""

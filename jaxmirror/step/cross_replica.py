@@ -212,15 +212,19 @@ def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None,
     out = [p[1] if p[0] == "done" else None for p in plans]
     # A narrower wire must carry the mean, not a sum that may not fit it: divide first.
     divide_first = op is ReduceOp.MEAN and options is not None and options.wire_dtype is not None
-    for inside in (False, True):
-        chosen = [i for i, p in enumerate(plans) if p[0] == "sum" and p[3] is inside]
+    # Integers of such a MEAN are summed as float32 on a wire of their own, never narrowed.
+    exact = [divide_first and p[0] == "sum" and not _inexact(p[1]) for p in plans]
+    for inside, whole in ((False, False), (True, False), (False, True), (True, True)):
+        chosen = [i for i, p in enumerate(plans)
+                  if p[0] == "sum" and p[3] is inside and exact[i] is whole]
         if not chosen:
             continue
-        parts = [summand(op, plans[i][1], plans[i][2], divide_first) for i in chosen]
+        wire, first = (None, False) if whole else (options, divide_first)
+        parts = [summand(op, plans[i][1], plans[i][2], first) for i in chosen]
         ops = extended.cross_device_ops
         if inside:
             sums = ops.all_reduce_in_program(ReduceOp.SUM, parts, extended.axis_name,
-                                             extended.devices, options)
+                                             extended.devices, wire)
         elif context.current().in_run:
             # A concrete PerReplica met inside a step (a merge_fn reducing one it closed
             # over): a constant there, summed as such, not by a program of its own.
@@ -229,10 +233,14 @@ def reduce_leaves(strategy, op: ReduceOp, leaves: list, axis, options=None,
             if extended.placement.multi_process:  # a program that every worker must run
                 ledger.agree(_API_NAMES.get(method, method),
                              f"{op.name} of {_shapes(parts, range(len(parts)))}")
-            sums = ops.sum_components(parts, extended.placement, options)
+            sums = ops.sum_components(parts, extended.placement, wire)
         for i, total in zip(chosen, sums):
-            out[i] = reduced_from_sum(op, total, plans[i][2], divide_first)
+            out[i] = reduced_from_sum(op, total, plans[i][2], first)
     return out
+
+
+def _inexact(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 class _Uneven:

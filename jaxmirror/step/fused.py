@@ -15,10 +15,10 @@ import operator
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from jaxmirror.core import _compat
 from jaxmirror.core.values import PerReplica, is_per_replica
-from jaxmirror.step import deleted, graphs
+from jaxmirror.step import deleted
 from jaxmirror.step.fused_trace import run_steps
 from jaxmirror.step.run_options import argnums
 
@@ -53,6 +53,10 @@ class FusedStep:
     ``unapplied_elements``). Under ``jax_debug_nans``/``jax_debug_infs`` a NaN found in a call
     is looked for step by step, as single steps, so that the error names its operation as a
     single step's does: the steps before it are applied, it and the later ones put back.
+    Steps that were applied before a failure (those, or an earlier program of the same call)
+    give their results, carried arguments first, as the error's ``applied_results``. Arguments
+    in ``donate_argnums`` are used up by a program that failed (the note says so): keep a copy
+    to retry from.
 
     Args:
         strategy: the strategy whose replicas run the steps.
@@ -119,7 +123,10 @@ class FusedStep:
 
     def _programs(self, functions: tuple) -> tuple:
         compile_fn, donated = self._compile
-        return tuple(compile_fn(f, donated) for f in functions)
+        programs = tuple(compile_fn(f, donated) for f in functions)
+        for program in programs:
+            program.waits_for_objects = True  # the call waits anyway: objects settle after
+        return programs
 
     @property
     def steps_per_execution(self) -> int:
@@ -143,38 +150,50 @@ class FusedStep:
 
     def __call__(self, iterator, *args, **kwargs):
         calls = self._take(iterator)
-        results = []
-        nodes = [x for x in jax.tree.leaves((args, kwargs), is_leaf=graphs.is_graph_node)
-                 if graphs.is_graph_node(x)]
+        results = []  # the programs' results that took effect
         for done, call in enumerate(calls):
-            # The NNX objects' arrays before (a step that fails at run time without host
-            # callback effects leaves them its failed arrays).
-            before = jax.tree.map(lambda x: x, nnx.state(nodes)) if nodes else None
             try:
                 out, finished = call[0](*call[1:3], *args, **kwargs)
-                # Waited for, so that a step failing at run time fails this call, which puts
-                # back the elements it did not apply.
-                finished.block_until_ready()
+                failure = None
             except FloatingPointError as err:  # jax_debug_nans/infs: as single steps would
-                self._failed(iterator, calls[done:], self._step_by_step(call, args, kwargs, err))
-            except Exception as err:
-                if nodes:
-                    nnx.update(nodes, before)
-                self._failed(iterator, calls[done:], (_named_if_deleted(err, args, kwargs,
-                                                                        self.__name__), 0))
+                failure = self._step_by_step(call, args, kwargs, err)
+            except deleted.DeletedArrayError as err:  # named as the caller passed it
+                failure = (_named_if_deleted(err, args, kwargs, self.__name__), [], False)
+            except Exception as err:  # noqa: BLE001 - raised again below, with a note
+                # Failed at run time inside the call (its NNX objects waited for), or refused.
+                failure = (err, [], True)
+            if failure is None:
+                try:
+                    # Waited for, so that a step failing at run time fails this call, which
+                    # puts back the elements it did not apply.
+                    finished.block_until_ready()
+                except Exception as err:  # noqa: BLE001 - raised again below, with a note
+                    _compat.forget_failed_effect_tokens()  # reported here, not again at exit
+                    failure = (err, [], True)
+            if failure is not None:
+                self._failed(iterator, calls, done, results, failure, (args, kwargs))
             results.append(out)
-            for j, i in enumerate(self._carry):  # the next group starts where this one ended
-                args = args[:i - 1] + (out[j],) + args[i:]
+            args = self._carried(args, out)
+        _forget_taken(iterator)
         return results[0] if len(results) == 1 else _joined(results, len(self._carry))
 
+    def _carried(self, args: tuple, out) -> tuple:
+        """``args`` with the carried ones replaced by ``out``'s (the next group starts where
+        this one ended)."""
+        for j, i in enumerate(self._carry):
+            args = args[:i - 1] + (out[j],) + args[i:]
+        return args
+
     def _step_by_step(self, call, args, kwargs, err) -> tuple:
-        """``(error, steps applied)``: the failed program's steps run again one at a time, each
-        by a new one-step program, as single steps, so that JAX names the operation that made
-        the NaN or inf (in the fused program it names the ``scan``); the steps before it are
-        applied, as single steps would be. JAX checks a program's results only at its first
-        call, and its operations' only at theirs, so its caches are cleared first."""
+        """``(error, results of the steps applied, True)``: the failed program's steps run again one
+        at a time, each by a new one-step program, as single steps, so that JAX names the
+        operation that made the NaN or inf (in the fused program it names the ``scan``); the
+        steps before it are applied, as single steps would be. JAX checks a program's results
+        only at its first call, and its operations' only at theirs, so its caches are cleared
+        first."""
         program, element, counts, n, _ = call
         jax.clear_caches()
+        outs = []
         for j in range(n):
             functions = self._fused_functions()  # held while their programs run
             stacked, each = self._programs(functions)
@@ -187,31 +206,41 @@ class FusedStep:
             try:
                 out, _ = one[0](*one[1:], *args, **kwargs)
             except FloatingPointError as found:
-                return found, j
-            for k, i in enumerate(self._carry):
-                args = args[:i - 1] + (out[k],) + args[i:]
-        return err, n
+                return found, outs, True
+            outs.append(out)
+            args = self._carried(args, out)
+        return err, outs, True
 
-    def _failed(self, iterator, calls: list, failure: tuple) -> None:
-        """A program of this call failed after applying ``failure[1]`` of its steps: its other
-        elements and the later ones go back into ``iterator`` (or onto the error for an
-        iterator without ``put_back``); raises the error, which says so."""
-        err, applied = failure
-        n = sum(c[3] for c in calls) - applied
+    def _failed(self, iterator, calls: list, done: int, results: list, failure: tuple,
+                arguments: tuple) -> None:
+        """Program ``done`` of this call failed (``failure``: the error, the results of the
+        steps it applied one by one, and whether it ran), after programs whose ``results`` took effect: the
+        elements not applied go back into ``iterator`` (or onto the error for an iterator
+        without ``put_back``); raises the error, with a note that says so."""
+        err, one_by_one, ran = failure
+        n = sum(c[3] for c in calls[done:]) - len(one_by_one)
         put_back = getattr(iterator, "put_back", None)
         if put_back is not None:
             put_back(n)
             where = ("are back in the iterator: the next call (or next()) takes them again; "
                      f"to skip them instead, call next(iterator) {n} times")
         else:
-            err.unapplied_elements = [e for c in calls for e in c[4]][-n:] if n else []
+            err.unapplied_elements = [e for c in calls[done:] for e in c[4]][-n:] if n else []
             where = ("were taken from an iterator that cannot take them back: they are in "
                      "this error's `unapplied_elements`")
-        done = (f"{applied} of its steps ran one by one and were applied; "
-                if applied else "")
+        applied, done_note = results + one_by_one, ""
+        if applied:
+            err.applied_results = (applied[0] if len(applied) == 1
+                                   else _joined(applied, len(self._carry)))
+            carried = ", the carried arguments first," if self._carry else ""
+            done_note = (f"{sum(c[3] for c in calls[:done]) + len(one_by_one)} of its steps "
+                         f"were applied (their results{carried} are this error's "
+                         f"`applied_results`); ")
         err.__suppress_context__ = True  # a NaN found step by step: not the fused error
-        err.add_note(f"{self.__name__}: this fused step failed; {done}the {n} elements whose "
-                     f"steps did not take effect (the variables are as before them) {where}.")
+        err.add_note(f"{self.__name__}: this fused step failed; {done_note}the {n} elements "
+                     f"whose steps did not take effect (the variables are as before them) "
+                     f"{where}." + (_donated_used(*arguments, self._compile[1], self.__name__)
+                                    if ran else ""))
         raise err
 
     def lower(self, iterator, *args, **kwargs):
@@ -268,6 +297,24 @@ def _named_if_deleted(err, args, kwargs, api: str):
         named.__cause__ = err
         return named
     return err
+
+
+def _donated_used(args, kwargs, donated: tuple, api: str) -> str:
+    """What a failed call's note says of the arguments it donated: used up, if they were."""
+    try:
+        deleted.check_alive(args, kwargs, api, first=1)
+    except ValueError:
+        return (f" The arguments it donated (donate_argnums={tuple(i - 1 for i in donated)}) "
+                f"were used up by the failed program: to retry, pass them again from a copy "
+                f"or a checkpoint made before the call, or do not donate them.")
+    return ""
+
+
+def _forget_taken(iterator) -> None:
+    """A call that succeeded: its elements all took effect; the iterator lets them go."""
+    put_back = getattr(iterator, "put_back", None)
+    if put_back is not None:
+        put_back(0)
 
 
 def _positive_int(steps) -> int:

@@ -33,7 +33,7 @@ from jaxmirror.step import captured_graphs, graphs, placing
 from jaxmirror.step.arguments import (check_arguments, check_not_donating, has_variables,
                                       take_variables)
 from jaxmirror.step.call_rules import check_can_run, wants_arguments
-from jaxmirror.step.deleted import check_alive, forget_donated
+from jaxmirror.step.deleted import check_alive, donated_arrays, forget_donated
 from jaxmirror.step.step_sums import (attach_sums, reducible_in_step, reductions_in_step,
                                       sum_paths)
 from jaxmirror.step.static_binding import StaticBinding
@@ -89,6 +89,9 @@ class Program:
         self._counter = self  # whose trace_count/compile_count a trace adds to
         self._warned_placement = False
         self._effects = False  # the traced step has side effects (host callbacks)
+        # Wait for every call before NNX objects among the arguments take its new state (a
+        # fused step sets it: a failed call must leave the objects as they were).
+        self.waits_for_objects = False
         self._captured = ()  # variables the step reaches by closure, found while tracing
         self._captured_key = None  # the binding of a call without variable arguments
         self._bindings = {}  # (positions, variables, captured) -> its StaticBinding
@@ -112,6 +115,8 @@ class Program:
         mode = self._mode
         if mode is not None:
             return mode(self, args, kwargs)
+        donated = self._donate_argnums and donated_arrays(args, kwargs, self._donate_argnums,
+                                                          self.__name__)
         captured = self._captured
         try:
             if captured:  # TF's usual style: variables by closure, nothing to flatten per call
@@ -119,6 +124,7 @@ class Program:
                     raise self._transformed_error()
                 with state.lock:  # read, dispatch, write back: one update at a time
                     state.poll()  # first: a step seen to have failed is rolled back
+                    state.check(captured)  # and a failure not reported yet is raised
                     out, token, sums = self._dispatch(self._captured_key, captured, args,
                                                       kwargs)
             elif self._central:
@@ -144,18 +150,21 @@ class Program:
         except RuntimeError:  # JAX's own for a deleted array: name it (see step/deleted.py)
             check_alive(args, kwargs, self.__name__)
             raise
-        if self._donate_argnums:  # what JAX took is deleted: a later call raises, not crashes
-            forget_donated(args, self._donate_argnums)
+        if donated:  # what JAX took is deleted: a later call raises, not crashes
+            forget_donated(donated)
         return self._finish(out, token, sums)
 
     def _call_with_variable_args(self, args, kwargs):
         """A call whose arguments may hold variables: they go in as their arrays."""
+        donated = self._donate_argnums and donated_arrays(args, kwargs, self._donate_argnums,
+                                                          self.__name__)
         captured = self._captured
         try:
             with state.lock:  # read, dispatch, write back: one update at a time
                 state.poll()  # first: a step seen to have failed is rolled back before the read
                 key, a, k = take_variables(args, kwargs, captured)
                 variables = key[1] + captured
+                state.check(variables)  # a failure not reported yet: raised, nothing run
                 bound = self._binding(key)
                 if variables and not _compat.trace_state_clean():
                     raise self._transformed_error()
@@ -178,8 +187,8 @@ class Program:
         except RuntimeError:
             check_alive(args, kwargs, self.__name__)
             raise
-        if self._donate_argnums:
-            forget_donated(args, self._donate_argnums)
+        if donated:
+            forget_donated(donated)
         return self._finish(out, token, sums)
 
     def _mirrored_arguments(self, args, kwargs, err):
@@ -223,7 +232,7 @@ class Program:
         except (RuntimeError, ValueError):  # a deleted array: named as the caller passed it
             check_alive(args, kwargs, self.__name__)
             raise
-        if program._effects:
+        if program._effects or self.waits_for_objects:
             # A host callback may fail at run time; the objects must not take a failed step's
             # arrays (they would raise on every later read), so wait for it here.
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxmirror.core import _compat, context
@@ -281,15 +282,44 @@ def call_in_merge(ctx: ReplicaContext, fn, args: tuple, kwargs: dict):
     return result
 
 
+class _FirstReplica(ReplicaContext):
+    """Replica 0 of ``call_as_first_replica``: with several replicas, what would need the other
+    replicas' values (they do not run) raises instead of giving replica 0's alone."""
+
+    def _refuse(self, what: str, values=None) -> None:
+        if self.num_replicas_in_sync > 1 and (values is None or any(
+                isinstance(x, (jax.Array, np.ndarray, np.generic)) or _compat.is_tracer(x)
+                for x in jax.tree.leaves(values, is_leaf=is_opaque))):
+            raise RuntimeError(
+                f"call_for_each_replica: `fn` creates variables, so it runs once, as replica 0, "
+                f"where `{what}` cannot see the other replicas' values (TF runs `fn` on every "
+                f"replica); create the variables in `fn` and do the collectives in a step "
+                f"(`strategy.run`)."
+            )
+
+    def all_reduce(self, reduce_op, value, options=None):
+        self._refuse("all_reduce")
+        return super().all_reduce(reduce_op, value, options)
+
+    def all_gather(self, value, axis: int, options=None):
+        self._refuse("all_gather")
+        return super().all_gather(value, axis, options)
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        self._refuse("merge_call", (args, kwargs))  # variables and Python values are as in TF
+        return super().merge_call(merge_fn, args, kwargs)
+
+
 def call_as_first_replica(strategy, fn, args: tuple, kwargs: dict):
     """``extended.call_for_each_replica(fn, ...)`` of a ``fn`` that creates variables.
 
     TF runs ``fn`` once per replica and merges their variable creators: the first replica
     creates each variable, the others reuse it. A step's trace cannot create variables, so
-    ``fn`` runs here eagerly, once, as replica 0 in ``strategy``'s scope (its collectives and
-    ``merge_call`` see replica 0's values only): the variables are made with replica 0's
-    initial values, as in TF. So that nothing computed from replica 0 alone passes for every
-    replica's result, ``fn`` may return only variables (or ``None``).
+    ``fn`` runs here eagerly, once, as replica 0 in ``strategy``'s scope: the variables are
+    made with replica 0's initial values, as in TF. With several replicas, its ``all_reduce``,
+    ``all_gather`` and ``merge_call`` of arrays raise (they would see replica 0's values only,
+    where TF's see every replica's); so that nothing computed from replica 0 alone passes for
+    every replica's result, ``fn`` may return only variables (or ``None``).
 
     Args:
         strategy: the strategy whose ``call_for_each_replica`` was called.
@@ -302,10 +332,11 @@ def call_as_first_replica(strategy, fn, args: tuple, kwargs: dict):
 
     Raises:
         ValueError: when the result holds anything but variables and ``None``.
+        RuntimeError: when ``fn`` runs a collective (above) with several replicas.
     """
     args, kwargs = jax.tree.map(_first_component, (tuple(args), kwargs or {}), is_leaf=is_opaque)
     with strategy.scope():
-        with context.pushed(context.Entry(strategy, ReplicaContext(strategy, 0))):
+        with context.pushed(context.Entry(strategy, _FirstReplica(strategy, 0))):
             result = fn(*args, **kwargs)
     bad = [x for x in jax.tree.leaves(result, is_leaf=is_opaque) if not isinstance(x, Stateful)]
     if bad:

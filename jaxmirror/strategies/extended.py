@@ -165,9 +165,14 @@ class StrategyExtended:
         Inside a ``merge_fn`` (as in TF) ``fn`` is traced once more in the step, in the replica
         context, on each replica's component of ``args``; its results reach the ``merge_fn`` as
         per-replica values. A ``fn`` that creates variables (not possible inside a step's trace)
-        runs once, eagerly, as replica 0 in the strategy's scope, as TF's merged variable
-        creators make each variable once with the first replica's value; it may return only
-        variables then.
+        is first traced as a step until its first variable; that trace is abandoned and ``fn``
+        runs again, eagerly, once, as replica 0 in the strategy's scope, as TF's merged
+        variable creators make each variable once with the first replica's value. So the code
+        before the first variable runs twice (values it stores outside ``fn`` in the abandoned
+        trace are dead tracers; whether ``fn`` creates variables is only known by running it);
+        with several replicas, the eager run's ``all_reduce``, ``all_gather`` and
+        ``merge_call`` of arrays raise (replica 0 cannot see the other replicas' values), and
+        ``fn`` may return only variables.
 
         Args:
             fn: the per-replica function.
@@ -179,7 +184,8 @@ class StrategyExtended:
 
         Raises:
             ValueError: when a ``fn`` that creates variables returns anything else.
-            RuntimeError: when ``fn`` creates variables inside ``run``.
+            RuntimeError: when ``fn`` creates variables inside ``run``, or runs a collective
+                (above) as replica 0 of several.
 
         Example:
             >>> import jaxmirror

@@ -180,6 +180,7 @@ class Strategy(InputMethods):
                 error) the call raises, the variables and NNX objects keep their values, and
                 the K elements go back into a distributed iterator: the next call retries
                 them (``next(iterator)`` K times skips them); the error's note says how many.
+                Arguments it donated are used up by a failed program (keep a copy to retry).
             carry_argnums: with ``steps_per_execution``: positions of ``fn``'s arguments that
                 it returns updated, first (``return params, opt_state, loss``), carried from
                 step to step.

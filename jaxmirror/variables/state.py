@@ -13,9 +13,15 @@ Steps are seen finished without waiting where possible: before every step with v
 steps that wrote it, waiting for them), and when more than ``MAX_OPEN`` steps are open (the
 oldest is waited for, so that at most that many steps' arrays are held).
 
-A failed step's error belongs to its results. A step that returns values reports it when they
-are read (JAX raises it); a step that returns nothing has only its variables as results, so the
-first eager read of one of them raises it, once.
+A failed step's error is raised by its results when they are read (JAX raises it) and, once,
+by its variables: results are often dropped unread, and the loss of a step must never be silent.
+From the failure until that report, every step that writes one of its variables is rolled back
+too (those dispatched on its writes fail anyway; the others would make what the variables hold
+depend on timing), so they hold exactly the steps before it. The report comes from the next
+step call on one of them (``check`` before it dispatches; ``write_open`` after, for a caller
+that does not check) or the first eager read of one (``settle``), after every open step is
+closed. A call that waited for its own step and raised its failure itself (a fused step) says
+so through ``_compat.forget_failed_effect_tokens``: its variables do not raise it again.
 
 ``lock`` serializes every read-modify-write of variables (a step's call with its write-back, an
 eager ``assign*``, ``extended.update``): threads that share variables lose no update.
@@ -46,7 +52,7 @@ state_of = operator.attrgetter("_state")
 class _Writes:
     """One dispatched step's writes: ``[(variable, new state)]`` and one array of the step."""
 
-    __slots__ = ("handle", "pairs", "has_outputs", "error", "reported")
+    __slots__ = ("handle", "pairs", "has_outputs", "error", "reported", "tainted")
 
     def __init__(self, handle, pairs, has_outputs: bool):
         self.handle = handle
@@ -54,10 +60,14 @@ class _Writes:
         self.has_outputs = has_outputs
         self.error = None
         self.reported = False
+        self.tainted = []  # once failed: the variables whose ``_failure`` it is
 
 
 # Open steps, oldest first.
 _open: collections.deque = collections.deque()
+# Failures seen and not reported yet, oldest first (``_reported_by_caller`` takes those seen
+# while it closes the open steps as its own).
+_failures: list = []
 
 
 def initialize(var, state) -> None:
@@ -70,7 +80,7 @@ def initialize(var, state) -> None:
     var._state = state
     var._open = 0  # open steps that wrote it
     var._committed = None  # while some are open: its state before them, known good
-    var._failure = None  # a failed step that returned nothing and wrote it, not yet reported
+    var._failure = None  # a failed step whose writes it lost, not yet reported
 
 
 def detached_attributes(var) -> dict:
@@ -125,7 +135,8 @@ def write_open(variables, states: dict, has_outputs: bool, single_device: bool =
     handle = next(iter(states.values()))
     if isinstance(handle, PerReplica):
         handle = handle.stacked
-    if single_device and not _open and handle.is_ready():
+    failure = _failure_of(variables[i] for i in states)
+    if single_device and failure is None and not _open and handle.is_ready():
         try:
             handle.block_until_ready()
         except Exception:  # noqa: BLE001 - failed: kept open below, closed by the next poll
@@ -140,6 +151,8 @@ def write_open(variables, states: dict, has_outputs: bool, single_device: bool =
         var._open += 1
         var._state = new
     _open.append(_Writes(handle, pairs, has_outputs))
+    if failure is not None:  # dispatched after a failure on its variables: it fails with it
+        _report(failure)
 
 
 def poll() -> None:
@@ -150,6 +163,22 @@ def poll() -> None:
     """
     while _open and (len(_open) >= MAX_OPEN or _open[0].handle.is_ready()):
         _close_oldest()
+
+
+def check(variables) -> None:
+    """Before a step dispatches on ``variables``: raise the unreported failure that one of them
+    lost writes to (every open step is closed first; see ``settle``), so that no step runs
+    after a failure that was not reported yet.
+
+    Args:
+        variables: the step's variables (captured and passed ones).
+
+    Raises:
+        Exception: that failure's own error, once.
+    """
+    failure = _failure_of(variables)
+    if failure is not None:
+        _report(failure)
 
 
 def settle(var, report: bool = True) -> None:
@@ -169,12 +198,7 @@ def settle(var, report: bool = True) -> None:
                 _close_oldest()
     failed = var._failure
     if failed is not None and report:
-        for v, _ in failed.pairs:
-            if v._failure is failed:
-                v._failure = None
-        if not failed.reported:
-            failed.reported = True
-            raise failed.error
+        _report(failed)
 
 
 def settled(var):
@@ -205,23 +229,71 @@ def _close_oldest() -> None:
     except Exception as e:  # the step failed at run time: its writes are undone
         writes.error = e
         failed = True
-        _compat.forget_failed_effect_tokens()
+        _compat.forget_failed_effect_tokens(reported_here=False)
     _open.popleft()
-    if not failed:
+    # A step after an unreported failure on one of its variables is undone with it, and
+    # reported as it (one failure, one report), succeeded or not.
+    failure = _failure_of(var for var, _ in writes.pairs)
+    if failure is None and not failed:
         for var, new in writes.pairs:
             var._open -= 1
             # Later open steps build on it; with none, nothing is kept to roll back to.
             var._committed = new if var._open else None
         return
+    if failure is None:
+        failure = writes
+        _failures.append(writes)
     for var, new in writes.pairs:
         var._open -= 1
         if var._state is new:  # its latest write: back to the last good state
             var._state = var._committed
-        if not writes.has_outputs and var._failure is None:
-            var._failure = writes
+        if var._failure is None:
+            var._failure = failure
+            failure.tainted.append(var)
         if not var._open:
             var._committed = None
 
 
-__all__ = ["MAX_OPEN", "detached_attributes", "initialize", "lock", "poll", "settle",
+def _reported_by_caller() -> None:
+    """A call raised its own step's failure (it waited for it): the failures seen from now,
+    with every open step closed, are that one; their variables report them no more."""
+    with lock:
+        known = len(_failures)
+        settle_all()
+        for failed in _failures[known:]:
+            failed.reported = True
+            _clear(failed)
+
+
+def _clear(failed) -> None:
+    if failed in _failures:
+        _failures.remove(failed)
+    for var in failed.tainted:
+        if var._failure is failed:
+            var._failure = None
+
+
+def _failure_of(variables):
+    """The unreported failure that one of ``variables`` lost writes to, or ``None``."""
+    if not _failures:  # the usual case, on the hot path: none anywhere
+        return None
+    for var in variables:
+        if var._failure is not None:
+            return var._failure
+    return None
+
+
+def _report(failed) -> None:
+    """Raise ``failed``'s error once every open step is closed (the steps after it on its
+    variables are undone then); its variables report it no more."""
+    settle_all()
+    _clear(failed)
+    if not failed.reported:
+        failed.reported = True
+        raise failed.error
+
+
+_compat.failure_reported_hooks.append(_reported_by_caller)
+
+__all__ = ["MAX_OPEN", "check", "detached_attributes", "initialize", "lock", "poll", "settle",
            "settle_all", "settled", "state_of", "write_back", "write_open"]
