@@ -232,15 +232,16 @@ class Program:
         except (RuntimeError, ValueError):  # a deleted array: named as the caller passed it
             check_alive(args, kwargs, self.__name__)
             raise
+        graphs.update(nodes, new_state)  # while the program runs; undone if it fails
         if program._effects or self.waits_for_objects:
-            # A host callback may fail at run time; the objects must not take a failed step's
+            # A host callback may fail at run time; the objects must not keep a failed step's
             # arrays (they would raise on every later read), so wait for it here.
             try:
                 jax.block_until_ready((out, new_state))
             except Exception:
+                graphs.update(nodes, nnx_state)  # as before the call, as nnx.jit leaves them
                 _compat.forget_failed_effect_tokens()  # reported here, not again at exit
                 raise
-        graphs.update(nodes, new_state)  # only after the call succeeded, as nnx.jit does
         return out
 
     def _dispatch(self, bound, variables: tuple, args, kwargs):
