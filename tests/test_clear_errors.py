@@ -93,3 +93,20 @@ def test_padded_rows_warning_names_the_users_mean_line():
     # The user's line first, then the flax layer whose bias gradient summed the rows.
     assert re.search(rf"of reduce_sum at test_clear_errors.py:{line} \([\w.<>]*loss_fn\) via "
                      r"linear.py:\d+ \(Linear.__call__\)\)", str(w.message))
+
+
+def test_a_python_if_on_the_replica_id_says_what_to_use_instead():
+    s = strategy(2)
+
+    def step():
+        if jm.get_replica_context().replica_id_in_sync_group == 0:  # TF 1's eager habit
+            return 1.0
+        return 0.0
+
+    with pytest.raises(jax.errors.TracerBoolConversionError) as failure:
+        s.run(step)
+    note = "\n".join(failure.value.__notes__)
+    assert "traced once for all replicas" in note and "jnp.where" in note
+    ids = s.run(lambda: jnp.where(jm.get_replica_context().replica_id_in_sync_group == 0,
+                                  1.0, 0.0))
+    assert [float(x) for x in s.experimental_local_results(ids)] == [1.0, 0.0]

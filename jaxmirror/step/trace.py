@@ -207,6 +207,13 @@ def _called(fn, args, kwargs):
         if "different trace level" not in str(err):
             raise
         raise ValueError(_closure_message(fn, err)) from err
+    except jax.errors.ConcretizationTypeError as err:  # `if ctx.replica_id_in_sync_group == 0:`
+        err.add_note(
+            "run: the step is traced once for all replicas and compiled, so its values (the "
+            "replica id, a loss) have no Python value while it runs: a Python `if`, `int()` or "
+            "`float()` of one cannot work there; choose with jnp.where or jax.lax.cond, or read "
+            "the step's results after it returns (TF's tf.function has the same rule).")
+        raise
 
 
 def _closure_message(fn, err) -> str:
