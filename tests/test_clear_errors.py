@@ -110,3 +110,18 @@ def test_a_python_if_on_the_replica_id_says_what_to_use_instead():
     ids = s.run(lambda: jnp.where(jm.get_replica_context().replica_id_in_sync_group == 0,
                                   1.0, 0.0))
     assert [float(x) for x in s.experimental_local_results(ids)] == [1.0, 0.0]
+
+
+def test_distribute_values_from_function_inside_run_says_to_call_it_outside():
+    s = strategy(2)
+
+    def step():
+        return s.experimental_distribute_values_from_function(lambda ctx: 1.0)
+
+    with pytest.raises(RuntimeError, match=r"experimental_distribute_values_from_function: "
+                       r"called inside `run`; .* call it outside and pass the result"):
+        s.run(step)
+    values = s.experimental_distribute_values_from_function(
+        lambda ctx: float(ctx.replica_id_in_sync_group))
+    doubled = s.run(lambda v: v * 2, args=(values,))
+    assert [float(x) for x in s.experimental_local_results(doubled)] == [0.0, 2.0]

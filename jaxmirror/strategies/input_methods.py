@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 
+from jaxmirror.core import context
 from jaxmirror.data.datasets import GlobalBatchDataset
 from jaxmirror.data.distribute_values import distribute_values_from_function
 from jaxmirror.data.files import FileDataset
@@ -120,6 +121,12 @@ class InputMethods:
             >>> [int(x) for x in s.experimental_local_results(v)]
             [0, 10]
         """
+        if context.current().in_run:
+            raise RuntimeError(
+                "experimental_distribute_values_from_function: called inside `run`; it puts one "
+                "value on each replica's device, which a step cannot do while it is traced; call "
+                "it outside and pass the result to `run` (inside the step, compute from "
+                "get_replica_context().replica_id_in_sync_group).")
         return distribute_values_from_function(self, value_fn)
 
     def experimental_distribute_dataset(self, dataset, options=None):
