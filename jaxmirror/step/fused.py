@@ -185,18 +185,14 @@ class FusedStep:
         return args
 
     def _step_by_step(self, call, args, kwargs, err) -> tuple:
-        """``(error, results of the steps applied, True)``: the failed program's steps run again one
-        at a time, each by a new one-step program, as single steps, so that JAX names the
-        operation that made the NaN or inf (in the fused program it names the ``scan``); the
-        steps before it are applied, as single steps would be. JAX checks a program's results
-        only at its first call, and its operations' only at theirs, so its caches are cleared
-        first."""
+        """``(error, results of the steps applied, True)``: the failed program's steps run
+        again one at a time, by this step's one-step program, as single steps, so that JAX
+        names the operation that made the NaN or inf (in the fused program it names the
+        ``scan``); the steps before it are applied, as single steps would be."""
         program, element, counts, n, _ = call
-        jax.clear_caches()
+        stacked, each = self._stacked, self._each
         outs = []
         for j in range(n):
-            functions = self._fused_functions()  # held while their programs run
-            stacked, each = self._programs(functions)
             if program is self._each:
                 one = (each, (element[j],), (counts[j],))
             else:
@@ -214,9 +210,9 @@ class FusedStep:
     def _failed(self, iterator, calls: list, done: int, results: list, failure: tuple,
                 arguments: tuple) -> None:
         """Program ``done`` of this call failed (``failure``: the error, the results of the
-        steps it applied one by one, and whether it ran), after programs whose ``results`` took effect: the
-        elements not applied go back into ``iterator`` (or onto the error for an iterator
-        without ``put_back``); raises the error, with a note that says so."""
+        steps it applied one by one, and whether it ran), after programs whose ``results``
+        took effect: the elements not applied go back into ``iterator`` (or onto the error for
+        an iterator without ``put_back``); raises the error, with a note that says so."""
         err, one_by_one, ran = failure
         n = sum(c[3] for c in calls[done:]) - len(one_by_one)
         put_back = getattr(iterator, "put_back", None)
@@ -288,26 +284,32 @@ class FusedStep:
                 f"{self._strategy!r}>")
 
 
-def _named_if_deleted(err, args, kwargs, api: str):
-    """``err``, or the error naming a deleted array among the user's arguments (the user's
+def _deleted_argument(args, kwargs, api: str):
+    """The error naming a deleted array among the user's arguments, or ``None`` (the user's
     ``args[0]`` is the iterator, so the others count from 1)."""
     try:
         deleted.check_alive(args, kwargs, api, first=1)
-    except ValueError as named:
-        named.__cause__ = err
+    except deleted.DeletedArrayError as named:
         return named
-    return err
+    return None
+
+
+def _named_if_deleted(err, args, kwargs, api: str):
+    """``err``, or the error naming a deleted array among the user's arguments."""
+    named = _deleted_argument(args, kwargs, api)
+    if named is None:
+        return err
+    named.__cause__ = err
+    return named
 
 
 def _donated_used(args, kwargs, donated: tuple, api: str) -> str:
     """What a failed call's note says of the arguments it donated: used up, if they were."""
-    try:
-        deleted.check_alive(args, kwargs, api, first=1)
-    except ValueError:
-        return (f" The arguments it donated (donate_argnums={tuple(i - 1 for i in donated)}) "
-                f"were used up by the failed program: to retry, pass them again from a copy "
-                f"or a checkpoint made before the call, or do not donate them.")
-    return ""
+    if _deleted_argument(args, kwargs, api) is None:
+        return ""
+    return (f" The arguments it donated (donate_argnums={tuple(i - 1 for i in donated)}) "
+            f"were used up by the failed program: to retry, pass them again from a copy or a "
+            f"checkpoint made before the call, or do not donate them.")
 
 
 def _forget_taken(iterator) -> None:
