@@ -2,7 +2,7 @@
 """What the guard against deleted (donated) arrays costs a ``strategy.run`` call.
 
 JAX 0.10 segfaults when an array an earlier call donated reaches a multi-device program it has
-run before; jaxmirror's guard (``jaxmirror/step/deleted.py``) deletes, after each call of a
+run before; jaxmirror's guard (``jaxmirror/step/arguments.py``) deletes, after each call of a
 step that donates, the arrays JAX took (``forget_donated``: one pass over the donated
 arguments' leaves), so that a later call raises and the error can name the argument. Steps that
 donate nothing do no per-call work for it. This script times, on a params tree of ``--leaves``
@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxmirror  # noqa: E402
-from jaxmirror.step import deleted, program  # noqa: E402  (the guard, patched out to compare)
+from jaxmirror.step import arguments, call_plan  # noqa: E402  (the guard, patched out to compare)
 from _timing import checkout, machine, per_call, shuffled_rounds, spread  # noqa: E402
 
 LR = 1e-3
@@ -103,16 +103,16 @@ def main() -> None:
     t_start = time.perf_counter()
     s = jaxmirror.MirroredStrategy([f"CPU:{i}" for i in range(args.devices)])
     host = host_params(args.leaves)
-    guard = program.forget_donated
+    guard = call_plan.forget_donated
     off = lambda *a: None  # noqa: E731
 
     def with_guard(timer, on):
         def timed():
-            program.forget_donated = guard if on else off
+            call_plan.forget_donated = guard if on else off
             try:
                 return timer()
             finally:
-                program.forget_donated = guard
+                call_plan.forget_donated = guard
         return timed
 
     timers = {
@@ -127,10 +127,10 @@ def main() -> None:
     # Warm-up: compile, and both donating variants compute the same params.
     a = s.run(fn, (s.experimental_replicate(host), np.float32(1.0)),
               options=jaxmirror.RunOptions(donate_argnums=(0,)))[0]
-    program.forget_donated = off
+    call_plan.forget_donated = off
     b = s.run(fn, (s.experimental_replicate(host), np.float32(1.0)),
               options=jaxmirror.RunOptions(donate_argnums=(0,)))[0]
-    program.forget_donated = guard
+    call_plan.forget_donated = guard
     assert all(np.array_equal(a[k], b[k]) for k in host), "the variants differ"
     for timer in timers.values():
         timer()
@@ -141,7 +141,8 @@ def main() -> None:
     times = shuffled_rounds(timers, args.rounds)
     assert [(st.trace_count, st.compile_count) for st in steps] == counts, "compiled again"
     live = s.experimental_replicate(host)
-    guard_alone = per_call(lambda: deleted.forget_donated((live,), (0,)), 200, 7)
+    guard_alone = per_call(lambda: arguments.forget_donated(
+        arguments.donated_arrays((live,), {}, (0,), "run")), 200, 7)
     check_alone = per_call(lambda: full_check((live, 1.0)), 200, 7)
 
     def ratio(x, y):

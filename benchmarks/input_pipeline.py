@@ -33,12 +33,12 @@ On N simulated CPU devices (N = 1, 2, 8 by default) and for global batches of ab
      makes those same device_puts on jaxmirror's prefetch thread: the thread alone.
 
 With ``--ablation`` (on by default) the throughput rounds also time, for information, the
-dataset's own per-epoch generator run in the timing thread (``_batches`` of the dataset: its
-checks, the split and one ``device_put`` of the leaves; no prefetch thread) and the
-baseline's ``device_put`` calls made on jaxmirror's prefetch thread (``jaxmirror.data.prefetch.
-Prefetcher``, same depth): the first shows what the dataset's per-batch work costs, the second
-what the thread alone costs. Every throughput variant also reports the process's minor page
-faults per batch (``getrusage``).
+dataset's own per-epoch work run in the timing thread (the same dataset made with
+``InputOptions(prefetch_thread=False)``: its checks, the split and one ``device_put`` of the
+leaves in ``next``; no prefetch thread) and the baseline's ``device_put`` calls made on
+jaxmirror's prefetch thread (``jaxmirror.data.prefetch.Prefetcher``, same depth): the first
+shows what the dataset's per-batch work costs, the second what the thread alone costs. Every
+throughput variant also reports the process's minor page faults per batch (``getrusage``).
 
 Every variant runs in rounds, the variants in a fresh random order each round
 (``_timing.shuffled_rounds``), at least ``--rounds`` rounds and more (up to 10x) while a case
@@ -246,11 +246,10 @@ def bench_throughput(reps: Replicas, name: str, rows: int, args) -> dict:
 
     sources = {OURS: lambda: ds, BASE: bare_loop, BASE2: bare_loop}
     if args.ablation:
-        # The dataset's own per-epoch generator (checks, split, one device_put of the leaves),
-        # run in this thread: the dataset without its prefetch thread. (A private method: this
-        # row is left out if jaxmirror renames it.)
-        if hasattr(ds, "_batches"):
-            sources[GEN] = lambda: ds._batches(iter(epoch))
+        # The dataset's own per-batch work (checks, split, one device_put of the leaves) run
+        # in this thread: the same dataset without its prefetch thread (InputOptions).
+        inline = reps.dataset(epoch, args.buffer_size, False)
+        sources[GEN] = lambda: inline
         # The bare loop's device_puts made on jaxmirror's prefetch thread: the thread alone.
         sources[THREAD] = lambda: Prefetcher(bare_loop(), args.buffer_size)
     for _ in range(2):
@@ -495,10 +494,10 @@ def main(argv=None) -> int:
         print("Throughput ablation, the same rounds: ms/batch (median), in brackets the "
               "throughput ratio to the baseline within a round (median), and minor page faults "
               "per batch (the whole process, median). 'generator' is the dataset's own per-epoch "
-              "generator (the dataset's `_batches`: checks, split, one device_put of the "
-              "leaves) run in the timing thread; 'Prefetcher' is the baseline's device_puts "
-              "made on jaxmirror's prefetch thread (`jaxmirror.data.prefetch.Prefetcher`, the same "
-              "depth).")
+              "generator (the dataset made with InputOptions(prefetch_thread=False): checks, "
+              "split, one device_put of the leaves in `next`) run in the timing thread; "
+              "'Prefetcher' is the baseline's device_puts made on jaxmirror's prefetch thread "
+              "(`jaxmirror.data.prefetch.Prefetcher`, the same depth).")
         print()
         print("| batch | G | N | baseline | jaxmirror | generator, no thread "
               "| bare device_put on the Prefetcher |")

@@ -35,9 +35,9 @@ whose ratio to B shows how much of a difference this machine's noise alone makes
     divided by K_d; the median over rounds, and the difference jaxmirror - baseline.
 With ``--breakdown`` (on by default) it also splits jaxmirror's per-call host time (tiny model;
 N=1 added) into the pieces of ``Program.__call__``: ``check_can_run``, the jitted call, and on
-bounded strategies ``_inflight.track_array(prog._handle(out))``, next to the baseline's own queue.
+bounded strategies ``_inflight.track_array(prog.output_handle(out))``, next to the baseline's own queue.
 With ``--ablation`` it times steady-state loops of the baseline, of jaxmirror, and of
-``Program._jitted`` called directly with the baseline's queue: the gap between the last two is
+``Program.jitted`` called directly with the baseline's queue: the gap between the last two is
 jaxmirror's Python around the jitted call, the gap between the first and last the jitted call
 itself (jaxmirror is not patched).
 
@@ -314,8 +314,8 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
     _inflight.drain()
     forms = {
         "baseline: jitted shard_map call": lambda: case.base_step(params, opt_state, bx, by),
-        "jaxmirror: Program._jitted only (jit of _trace)":
-            lambda: prog.program._jitted(None, (), params, opt_state, x, y),
+        "jaxmirror: Program.jitted only (jit of _trace)":
+            lambda: prog.program.jitted(None, (), params, opt_state, x, y),
         "jaxmirror: step(...), i.e. Program.__call__": lambda: prog(params, opt_state, x, y),
         "jaxmirror: strategy.run(fn, args=...)":
             lambda: strategy.run(prog.fn, args=(params, opt_state, x, y)),
@@ -332,13 +332,13 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         # The handle must come from the trace-time key path (no flattening fallback): the
         # smallest output array.
         leaves = jax.tree.leaves(out)
-        handle = functools.reduce(lambda t, get: get(t), prog.program._handle_path, out)
-        assert prog.program._handle(out) is handle and any(handle is leaf for leaf in leaves), handle
+        handle = functools.reduce(lambda t, get: get(t), prog.program.handle_path, out)
+        assert prog.program.output_handle(out) is handle and any(handle is leaf for leaf in leaves), handle
         assert handle.size == min(leaf.size for leaf in leaves), handle.shape
         if case.bounded:
             for _ in range(MAX_IN_FLIGHT):  # steady state: a full queue of finished steps
                 _inflight.track_array(handle)
-            tracked = _per_call(lambda: _inflight.track_array(prog.program._handle(out)), 2000, 7)
+            tracked = _per_call(lambda: _inflight.track_array(prog.program.output_handle(out)), 2000, 7)
             _inflight.drain()
             loss = out[-1]
             queue = collections.deque([loss] * MAX_IN_FLIGHT)
@@ -351,7 +351,7 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
             own = _per_call(base_queue, 2000, 7)
         else:
             tracked = own = None
-        rows.append(("  piece: _inflight.track_array(prog._handle(out)), steady state", tracked))
+        rows.append(("  piece: _inflight.track_array(prog.output_handle(out)), steady state", tracked))
         rows.append(("  piece: the baseline's own queue, steady state", own))
         # PerReplica arguments through jit's C++ path: a trivial one-device program.
         dev = jax.devices()[0]
@@ -371,11 +371,11 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
 # ----------------------------------------------------------------------------------------------
 # --ablation: jaxmirror's Python around the jitted call vs the jitted call itself, in a loop
 # ----------------------------------------------------------------------------------------------
-JITTED_ONLY = "Program._jitted only, baseline's queue (none at N=1)"
+JITTED_ONLY = "Program.jitted only, baseline's queue (none at N=1)"
 
 
 def ablation(case: Case, rounds: int, steps: int) -> list[tuple[str, float, float]]:
-    """Steady-state loops: the baseline, jaxmirror, and ``Program._jitted`` called directly.
+    """Steady-state loops: the baseline, jaxmirror, and ``Program.jitted`` called directly.
 
     The last loop calls jaxmirror's cached ``jax.jit`` (PerReplica arguments, the program built
     by ``_trace``) and keeps the baseline's queue where the baseline keeps one; nothing in
@@ -385,7 +385,7 @@ def ablation(case: Case, rounds: int, steps: int) -> list[tuple[str, float, floa
     prog = case.jm_step
 
     def jitted_only(*a):
-        return prog.program._jitted(None, (), *a)[0]
+        return prog.program.jitted(None, (), *a)[0]
 
     loops = [case.base, case.jm,
              Loop(JITTED_ONLY, jitted_only, case.jm_batches, case.base.state, bound=case.bounded)]
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-samples", type=int, default=300,
                     help="calls per form for the --breakdown table")
     ap.add_argument("--ablation", action="store_true",
-                    help="also time steady-state loops of Program._jitted called directly, "
+                    help="also time steady-state loops of Program.jitted called directly, "
                          "next to jaxmirror and the baseline (tiny model, N=1 added)")
     ap.add_argument("--quick", action="store_true", help="a fast sanity run (numbers are noisy)")
     args = ap.parse_args(argv)

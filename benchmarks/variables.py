@@ -39,8 +39,8 @@ to d shows how much of a difference this machine's noise alone makes):
 With ``--breakdown`` (on by default) it splits the per-call host time of the tiny step into the
 pieces of ``Program.__call__`` (single calls from idle, and warm timeit loops of the
 pieces). With ``--ablation`` (on by default) it times steady-state tiny-step loops of each style
-next to ``Program._jitted`` called directly (the variables' jitted call gets a key built once and
-its loop applies the writes): the gap between a step and its ``_jitted``-only loop is jaxmirror's
+next to ``Program.jitted`` called directly (the variables' jitted call gets a key built once and
+its loop applies the writes): the gap between a step and its ``jitted``-only loop is jaxmirror's
 Python around the call, measured in the loop (jaxmirror is not patched).
 
 Run from the repository root:
@@ -74,7 +74,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxmirror  # noqa: E402
 from jaxmirror.core import _compat, inflight as _inflight  # noqa: E402  (the bound; --breakdown's pieces)
 from jaxmirror.step.arguments import take_variables  # noqa: E402  (timed by --breakdown)
-from jaxmirror.step.call_rules import check_can_run  # noqa: E402  (timed by --breakdown)
+from jaxmirror.step.program import check_can_run  # noqa: E402  (timed by --breakdown)
 from jaxmirror.variables.state import state_of, write_back  # noqa: E402  (the same)
 from _timing import dispatch, init_params, mlp, steps_and_cases  # noqa: E402  (shared)
 from _timing import more_rounds  # noqa: E402
@@ -361,16 +361,16 @@ def _apply(writes, variables):
 
 
 def _jit_args(prog, args):
-    """What ``Program`` hands ``Program._jitted`` for these step arguments.
+    """What ``Program`` hands ``Program.jitted`` for these step arguments.
 
     ``(key, captured states, args)``: ``key`` is the static binding of
-    ``step.trace.trace_replica``, ``(positions, variables, captured)``, and in ``args`` every
+    ``step.compiled.trace_replica``, ``(positions, variables, captured)``, and in ``args`` every
     variable is replaced by its array (``arguments.take_variables``, which the breakdown also times
-    as the cost of finding variables among the arguments). A ``_jitted`` call with a key that
+    as the cost of finding variables among the arguments). A ``jitted`` call with a key that
     differs from the step's would build a second program: ``check_counts`` would fail.
     """
-    key, args, _ = take_variables(args, {}, prog._captured)
-    return prog._binding(key), tuple(map(state_of, prog._captured)), args
+    key, args, _ = take_variables(args, {}, prog.captured)
+    return prog.binding_of(key), tuple(map(state_of, prog.captured)), args
 
 
 def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
@@ -385,7 +385,7 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
     case.sync()
     pa, pb, pc, base = (case.pytree_step.program, case.closure_step.program,
                         case.args_step.program, case.base_step)
-    vars_c, captured = case.vars_c, pb._captured
+    vars_c, captured = case.vars_c, pb.captured
     x, y = case.jm_batches[0]
     bx, by = case.base_batches[0]
     key_b, _, _ = _jit_args(pb, (x, y))
@@ -400,20 +400,20 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
         return loss
 
     def pytree_jitted():
-        (held["a_jitted"], loss), _, _, _ = pa._jitted(None, (), held["a_jitted"], x, y)
+        (held["a_jitted"], loss), _, _, _ = pa.jitted(None, (), held["a_jitted"], x, y)
         return loss
 
     def closure_jitted():
-        loss, _, writes, _ = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)
+        loss, _, writes, _ = pb.jitted(key_b, tuple(map(state_of, captured)), x, y)
         _apply(writes, captured)
         return loss
 
     forms = {
         "baseline: jitted shard_map call": baseline_call,
         "(a) pytree: step(params, x, y)": pytree_call,
-        "(a) pytree: Program._jitted only": pytree_jitted,
+        "(a) pytree: Program.jitted only": pytree_jitted,
         "(b) vars closure: step(x, y)": lambda: case.closure_step(x, y),
-        "(b) vars closure: Program._jitted only (key built once), then the write-back":
+        "(b) vars closure: Program.jitted only (key built once), then the write-back":
             closure_jitted,
         "(c) vars args: step(vars, x, y)": lambda: case.args_step(vars_c, x, y),
     }
@@ -421,7 +421,7 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
                              samples)
     rows = [(k, statistics.median(v)) for k, v in times.items()]
     case.sync()
-    writes = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)[2]
+    writes = pb.jitted(key_b, tuple(map(state_of, captured)), x, y)[2]
     jax.block_until_ready(writes)
     _apply(writes, captured)  # the variables now hold these arrays: the piece rewrites the same
     pieces = {
@@ -446,9 +446,9 @@ def breakdown(case: Case, samples: int) -> list[tuple[str, float | None]]:
 # ----------------------------------------------------------------------------------------------
 def ablation(case: Case, rounds: int, steps: int,
              seconds: float) -> list[tuple[str, float, float, int]]:
-    """Steady-state loops of each style and of ``Program._jitted`` called directly.
+    """Steady-state loops of each style and of ``Program.jitted`` called directly.
 
-    The ``_jitted``-only loops call jaxmirror's cached ``jax.jit`` with the arguments the step
+    The ``jitted``-only loops call jaxmirror's cached ``jax.jit`` with the arguments the step
     would pass (for the variables style a key built once; that loop then applies the writes to
     (b)'s variables, as the step does) and keep the baseline's queue where jaxmirror keeps one.
     Nothing in jaxmirror is patched. All loops run in random order each round. The variables are
@@ -458,21 +458,21 @@ def ablation(case: Case, rounds: int, steps: int,
     case.sync()
     pa, pb, bounded = case.pytree_step.program, case.closure_step.program, case.bounded
     key_b, _, _ = _jit_args(pb, tuple(case.jm_batches[0]))
-    captured = pb._captured
+    captured = pb.captured
 
     def pytree_jitted(params, x, y):
-        out, _, _, _ = pa._jitted(None, (), params, x, y)
+        out, _, _, _ = pa.jitted(None, (), params, x, y)
         return out
 
     def closure_jitted(_, x, y):
-        loss, _, writes, _ = pb._jitted(key_b, tuple(map(state_of, captured)), x, y)
+        loss, _, writes, _ = pb.jitted(key_b, tuple(map(state_of, captured)), x, y)
         _apply(writes, captured)
         return None, loss
 
     loops = [case.a, case.b, case.c,
-             Loop("(a) Program._jitted only", pytree_jitted, case.jm_batches, case.a.state,
+             Loop("(a) Program.jitted only", pytree_jitted, case.jm_batches, case.a.state,
                   bound=bounded, params=None),
-             Loop("(b) Program._jitted only (key built once), then the write-back",
+             Loop("(b) Program.jitted only (key built once), then the write-back",
                   closure_jitted, case.jm_batches, None, bound=bounded, params=None)]
     for loop in loops[3:]:
         loop.i = case.a.i
@@ -531,7 +531,7 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown-samples", type=int, default=300,
                     help="calls per form for the --breakdown table")
     ap.add_argument("--ablation", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time steady-state loops of Program._jitted called directly, next "
+                    help="also time steady-state loops of Program.jitted called directly, next "
                          "to the three styles (tiny model)")
     ap.add_argument("--quick", action="store_true", help="a fast sanity run (numbers are noisy)")
     args = ap.parse_args(argv)

@@ -1,9 +1,9 @@
 """jaxmirror: TensorFlow's ``tf.distribute`` programming model on JAX.
 
-The public API, named as in ``tf.distribute``; everything is re-exported from the layers
-(``core`` <- ``cluster_resolver`` <- ``runtime`` <- ``variables`` <- ``step`` <- ``data`` <-
-``collectives`` <- ``strategies`` <- ``nn``, ``metrics``, see ARCHITECTURE.md); ``launch`` starts
-local multi-worker runs.
+The public API, named as in ``tf.distribute`` and re-exported from the layers (``core``,
+``cluster_resolver``, ``runtime``, ``variables``, ``step``, ``data`` and ``collectives``,
+``coordinator``, ``strategies``, ``nn`` and ``metrics``; see ARCHITECTURE.md). ``launch``
+starts local multi-worker runs.
 
 Example:
     >>> import jax.numpy as jnp, jaxmirror
@@ -39,7 +39,7 @@ from jaxmirror.data.options import InputContext, InputOptions, InputReplicationM
 from jaxmirror.step.losses import compute_average_loss
 from jaxmirror.step.replica_context import ReplicaContext
 from jaxmirror.runtime.server import Server
-from jaxmirror.step.run_options import RunOptions
+from jaxmirror.step.program import RunOptions
 from jaxmirror.strategies import default as _default  # registers the default strategy
 from jaxmirror.strategies.extended import StrategyExtended
 from jaxmirror.strategies.mirrored import MirroredStrategy

@@ -19,7 +19,8 @@ def _mlp_data():
     return x, y
 
 
-def _init_params():
+def init_params():
+    """The MLP's initial parameters (NumPy arrays), the same in every process."""
     rng = np.random.default_rng(1)
     return {"w1": (rng.normal(size=(6, 8)) * 0.5).astype(np.float32),
             "b1": np.zeros(8, np.float32),
@@ -39,7 +40,7 @@ def train_mlp(strategy, epochs=2, batch=16):
     x, y = _mlp_data()
     batches = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
     dataset = strategy.experimental_distribute_dataset(batches)
-    params = strategy.experimental_replicate(jax.tree.map(jnp.asarray, _init_params()))
+    params = strategy.experimental_replicate(jax.tree.map(jnp.asarray, init_params()))
 
     def loss_fn(p, xb, yb):
         h = jax.nn.relu(xb @ p["w1"] + p["b1"])
@@ -158,7 +159,7 @@ def restore_params(strategy, path):
 
     import jaxmirror as jm
 
-    shapes = {k: v.shape for k, v in _init_params().items()}
+    shapes = {k: v.shape for k, v in init_params().items()}
     with strategy.scope():
         target = {k: jm.Variable(jnp.zeros(s)) for k, s in shapes.items()}
     jm.checkpoint.restore(path, {"params": target, "losses": jnp.zeros(4)})
@@ -254,7 +255,7 @@ def file_sharded(strategy, paths, policy):
 
 
 # -- uneven input across workers (issue 27) ------------------------------------------------------
-def _worker_batches(worker, count, rows=8):
+def worker_batches(worker, count, rows=8):
     """Worker ``worker``'s own data: ``count`` global batches of ``rows`` rows."""
     rng = np.random.default_rng(10 + worker)
     return [(rng.normal(size=(rows, 6)).astype(np.float32),
@@ -277,7 +278,7 @@ def train_variables(strategy, dataset, fused=False):
     import jaxmirror as jm
 
     with strategy.scope():
-        params = {k: jm.Variable(v) for k, v in _init_params().items()}
+        params = {k: jm.Variable(v) for k, v in init_params().items()}
         accuracy = jm.metrics.SparseCategoricalAccuracy()
 
     def step(x, y):
@@ -352,7 +353,7 @@ def uneven(strategy, counts, source="dataset", fused=False):
 
     import jaxmirror as jm
 
-    mine = _worker_batches(jax.process_index(), counts[jax.process_index()])
+    mine = worker_batches(jax.process_index(), counts[jax.process_index()])
     if source == "dataset":
         dataset = strategy.experimental_distribute_dataset(mine)
     else:  # per-replica batches of 2 rows, from this worker's rows in order

@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxmirror import checkpoint
-from jaxmirror.variables import checkpoint_files
+from jaxmirror.variables import checkpoint_files, checkpoint_workers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIG = 2 ** 19  # float32 elements: a 2 MB leaf, so that writing a checkpoint takes a while
@@ -310,20 +310,18 @@ def test_exchange_swaps_two_directories_in_one_step_on_linux(tmp_path):
 
 
 def test_the_multi_process_save_path_replaces_atomically_too(tmp_path, monkeypatch):
-    # The path every worker of a multi-process run takes (here as the chief of one): the
-    # chief decides, orbax writes a sibling, the chief swaps it in (tests/test_multi_worker_
-    # failures.py kills workers at every point of it).
-    from jaxmirror.variables import checkpoint as implementation
-
+    # The path every worker of a multi-process run takes (here as the chief of one), called as
+    # checkpoint.save calls it there: the chief decides, orbax writes a sibling, the chief swaps
+    # it in (tests/test_multi_worker_failures.py kills workers at every point of it).
     checkpoint.save(tmp_path / "ck", tree(1))
-    monkeypatch.setattr(implementation, "_one_process", lambda: False)
+    path = os.fspath(tmp_path / "ck")
     swapped = []
     replace = checkpoint_files.replace
     monkeypatch.setattr(checkpoint_files, "replace",
                         lambda new, path: (swapped.append(new), replace(new, path)))
     with pytest.raises(FileExistsError, match="already exists.*force=True"):
-        checkpoint.save(tmp_path / "ck", tree(2))
-    checkpoint.save(tmp_path / "ck", tree(2), force=True)
+        checkpoint_workers.save(ocp, path, checkpoint.to_saveable(tree(2)), False)
+    checkpoint_workers.save(ocp, path, checkpoint.to_saveable(tree(2)), True)
     assert restored_version(tmp_path / "ck") == 2
     assert os.listdir(tmp_path) == ["ck"]
     assert len(swapped) == 1 and SIBLING.fullmatch(os.path.basename(swapped[0]))

@@ -84,6 +84,10 @@ def test_max_to_keep_deletes_the_oldest_and_records_the_state(tmp_path):
     state = json.loads((tmp_path / "run" / STATE).read_text())
     assert state["latest"] == "ckpt-4" and state["preserved"] == []
     assert [e["path"] for e in state["checkpoints"]] == ["ckpt-3", "ckpt-4"]
+    record = manager.state_record  # what the manager holds: the file's entries, a copy
+    assert record["checkpoints"] == state["checkpoints"] and record["preserved"] == []
+    record["checkpoints"].clear()
+    assert _names(manager.checkpoints) == ["ckpt-3", "ckpt-4"]
     manager.restore(manager.checkpoints[0])  # an older one, by path
     assert w.numpy().tolist() == [3.0] * 3 and manager.save_counter == 3
     keep_all = CheckpointManager({"w": w}, tmp_path / "all", max_to_keep=None)
@@ -440,7 +444,7 @@ WORKER = textwrap.dedent("""
         runs.assign(10 * i)
         m.save()
         # The state includes the chief's timestamps: the same everywhere only if agreed.
-        show("saved", m, latest=os.path.basename(m.latest_checkpoint), state=m._state)
+        show("saved", m, latest=os.path.basename(m.latest_checkpoint), state=m.state_record)
     w.assign(np.zeros(5, np.float32))
     again = manager()
     again.restore_or_initialize()
@@ -527,6 +531,8 @@ def test_workers_agree_on_every_decision_of_the_manager(tmp_path, devices):
     assert saved[0] == saved[1] and len(saved[0]) == 4
     assert [s["checkpoints"] for s in saved[0]] == [
         ["ckpt-1"], ["ckpt-1", "ckpt-2"], ["ckpt-2", "ckpt-3"], ["ckpt-3", "ckpt-4"]]
+    assert [[e["path"] for e in s["state"]["checkpoints"]] for s in saved[0]] == [
+        s["checkpoints"] for s in saved[0]]
     assert restored[0] == restored[1] == [{"checkpoints": ["ckpt-3", "ckpt-4"], "counter": 4,
                                            **_values(4)}]
     assert _listing(tmp_path / "ckpts") == [STATE, "ckpt-3", "ckpt-4"]

@@ -19,7 +19,7 @@ from flax import nnx
 
 import jaxmirror as jm
 from conftest import strategy
-from jaxmirror.step.padding_check import PaddedRowsWarning
+from jaxmirror.step.analysis.padding_check import PaddedRowsWarning
 
 X = np.arange(8.0, dtype=np.float32).reshape(4, 2)
 

@@ -423,22 +423,33 @@ def test_tf_config_overrides_are_checked(tf_config):
 
 # --- SlurmClusterResolver ------------------------------------------------------------------
 
+def _fake_nvidia_smi(directory, gpus: int) -> None:
+    """An ``nvidia-smi`` in ``directory`` whose ``--list-gpus`` lists ``gpus`` GPUs."""
+    script = directory / "nvidia-smi"
+    lines = "".join(f"GPU {i}: Fake GPU (UUID: GPU-{i})\\n" for i in range(gpus))
+    script.write_text(f"#!/bin/sh\nprintf '{lines}'\n")
+    script.chmod(0o755)
+
+
 @pytest.fixture
-def slurm_env(monkeypatch):
-    """A clean environment (no Slurm variables, no CUDA_VISIBLE_DEVICES, no nvidia-smi); returns
-    a function that sets the given variables."""
+def slurm_env(monkeypatch, tmp_path):
+    """A clean environment (no Slurm variables, no CUDA_VISIBLE_DEVICES, an ``nvidia-smi``
+    listing no GPU first on PATH); returns a function that sets the given variables."""
     for name in list(os.environ):
         if name.startswith(("SLURM_", "SLURMD_")):
             monkeypatch.delenv(name)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(slurm, "_nvidia_smi_gpus", lambda: 0)
-    monkeypatch.setattr(slurm, "_CHOSEN_FROM", {})
+    (tmp_path / "bin").mkdir()
+    _fake_nvidia_smi(tmp_path / "bin", 0)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}")
+    slurm.forget_chosen_gpus()
 
     def set_env(**variables):
         for name, value in variables.items():
             monkeypatch.setenv(name, str(value))
 
-    return set_env
+    yield set_env
+    slurm.forget_chosen_gpus()
 
 
 def test_slurm_single_node(slurm_env):
@@ -496,18 +507,21 @@ def test_slurm_gpus_are_split_among_a_nodes_tasks(slurm_env):
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
 
 
-def test_slurm_gpus_from_the_environment(slurm_env, monkeypatch):
+def test_slurm_gpus_from_the_environment(slurm_env, monkeypatch, tmp_path):
     slurm_env(SLURM_PROCID=1, SLURM_NTASKS=2, SLURM_STEP_NODELIST="g1",
               SLURM_STEP_TASKS_PER_NODE=2, CUDA_VISIBLE_DEVICES="4,5,6,7")
     assert SlurmClusterResolver().num_accelerators() == {"GPU": 2}
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert SlurmClusterResolver().num_accelerators() == {"GPU": 2}  # again: the same share
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
+    slurm.forget_chosen_gpus()  # now "6,7" reads as given: the node's 2 GPUs, 1 per task
+    assert SlurmClusterResolver().num_accelerators() == {"GPU": 1}
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "7"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     slurm_env(SLURM_GPUS_ON_NODE=2)
     assert SlurmClusterResolver(auto_set_gpu=False).num_accelerators() == {"GPU": 1}
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
-    monkeypatch.setattr(slurm, "_nvidia_smi_gpus", lambda: 8)
+    _fake_nvidia_smi(tmp_path / "bin", 8)
     monkeypatch.delenv("SLURM_GPUS_ON_NODE")
     assert SlurmClusterResolver(gpus_per_task=1).num_accelerators() == {"GPU": 1}
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"

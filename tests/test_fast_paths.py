@@ -607,18 +607,17 @@ def test_fused_steps_with_the_split_nnx_state_pattern_and_a_buffer_refilling_sou
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int8, np.bool_, np.uint32,
                                    jnp.bfloat16])
 def test_batches_placed_without_device_put_equal_device_puts(dtype):
-    from jaxmirror.core import _compat
-
+    # The dataset places a batch's leaves without jax.device_put's Python dispatch
+    # (_compat.put_host_arrays); the arrays must be those device_put makes.
     s = jm.MirroredStrategy(_devices(4))
     host = (np.arange(24).reshape(8, 3) % 5).astype(dtype)
-    sharding = s.extended.replica_sharding
-    want = jax.device_put(host.reshape(4, 2, 3), sharding)
-    (got,) = _compat.put_host_arrays([host.reshape(4, 2, 3)], [sharding])
-    assert got.dtype == want.dtype and got.sharding == want.sharding
-    assert got.committed == want.committed
-    assert _bits(np.asarray(got)) == _bits(np.asarray(want))
-    batch = next(iter(s.experimental_distribute_dataset([host])))
-    assert _bits(np.asarray(batch.stacked)) == _bits(np.asarray(want))
+    want = jax.device_put(host.reshape(4, 2, 3), s.extended.replica_sharding)
+    for options in (None, jm.InputOptions(prefetch_thread=True)):
+        batch = next(iter(s.experimental_distribute_dataset([host], options=options)))
+        got = batch.stacked
+        assert got.dtype == want.dtype and got.sharding == want.sharding
+        assert got.committed == want.committed
+        assert _bits(np.asarray(got)) == _bits(np.asarray(want))
 
 
 def test_a_value_of_another_strategy_with_other_replicas_is_refused():

@@ -523,9 +523,9 @@ def test_donating_an_nnx_argument_donates_its_state():
     keeping = s.function(lambda m, x: m(x).sum())
     donating(model, jnp.ones((2, 2)))
     keeping(model, jnp.ones((2, 2)))
-    [inner] = donating.program._graph_programs.values()
-    [kept] = keeping.program._graph_programs.values()
-    assert inner._donate_argnums == (0,) and kept._donate_argnums == ()
+    [inner] = donating.program.nested_programs()
+    [kept] = keeping.program.nested_programs()
+    assert inner.donate_argnums == (0,) and kept.donate_argnums == ()
 
 
 def test_a_per_replica_of_another_strategy_is_named():

@@ -15,7 +15,7 @@ from flax import linen, nnx
 import jaxmirror
 from conftest import ctx, strategy
 from jaxmirror.experimental import PaddedRowsWarning
-from jaxmirror.step import masked_stats
+from jaxmirror.step.analysis import masked_stats
 
 X = (np.arange(10.0, dtype=np.float32) + 10).reshape(10, 1)  # 4 replicas: 3, 3, 2, 2 rows
 

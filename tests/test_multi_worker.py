@@ -117,7 +117,7 @@ def test_checkpoint_saved_by_two_workers_restores_in_one_process(tmp_path):
     restored = scenarios.restore_params(one_process(4), path)
     for k in trained:
         np.testing.assert_array_equal(restored[k], trained[k])
-    assert not np.allclose(trained["w1"], scenarios._init_params()["w1"])
+    assert not np.allclose(trained["w1"], scenarios.init_params()["w1"])
 
 
 def test_checkpoint_saved_by_one_process_restores_on_two_workers(tmp_path):

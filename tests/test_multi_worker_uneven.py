@@ -62,7 +62,7 @@ def _check(results, counts, fused=False, rows_per_step=8):
         np.testing.assert_allclose(got["batch_norm"][1], var, rtol=1e-5, atol=1e-6)
     # Every example of every worker was seen exactly once.
     seen = np.sort(np.concatenate([x for x, _ in batches]).ravel())
-    data = [scenarios._worker_batches(w, c) for w, c in enumerate(counts)]
+    data = [scenarios.worker_batches(w, c) for w, c in enumerate(counts)]
     return seen, data
 
 
@@ -76,7 +76,7 @@ def test_a_dataset_with_uneven_workers_trains_as_one_process(workers, devices, c
     for w, got in enumerate(results):
         for k, (x, _) in enumerate(got["kept"]):
             if k < counts[w]:
-                own = scenarios._worker_batches(w, counts[w])[k][0]
+                own = scenarios.worker_batches(w, counts[w])[k][0]
                 np.testing.assert_array_equal(x, own[2 * local * w:2 * local * (w + 1)])
             else:
                 assert x.shape == (0, 6)  # this worker's data has ended: zero rows

@@ -16,8 +16,8 @@ from flax import nnx
 
 import jaxmirror
 from conftest import ctx, strategy
-from jaxmirror.step.padding_check import (GATHERED, RETURNED, PaddedRowsWarning,
-                                          unmasked_row_reductions)
+from jaxmirror.step.analysis.padding_check import (GATHERED, RETURNED, PaddedRowsWarning,
+                                                   unmasked_row_reductions)
 
 X = np.arange(6.0, dtype=np.float32).reshape(3, 2)
 Y = np.array([1.0, 0.0, 2.0], np.float32)

@@ -298,15 +298,24 @@ def test_parameter_servers_forget_finished_closure_ids(monkeypatch):
     assert float(ps.values[1]) == 10.0
 
 
-def test_a_worker_without_the_function_asks_for_it_again(monkeypatch):
-    monkeypatch.setattr(worker_runtime, "_worker", None)
+@pytest.fixture
+def installed_worker():
+    """This process made worker 0 of 1 for the test, and no worker again after it."""
     worker_runtime.install(0, 1, [], lambda: None)
+    yield
+    worker_runtime.uninstall()
+
+
+def test_a_worker_without_the_function_asks_for_it_again(installed_worker):
     no_args = shipping.ship(((), {})).blob
     fn = shipping.ship(lambda: 5).blob
     calls = [(1, 7, None, no_args, []), (2, 8, fn, no_args, [])]
     assert closures.run_closures(calls) == [("missing",), ("missing",)]
     outcome, = closures.run_closures([(1, 7, fn, no_args, [])])
     assert outcome[0] == "ok" and shipping.unpack(outcome[1]) == 5
+    worker_runtime.uninstall()  # as the fixture does after the test: no worker any more
+    with pytest.raises(RuntimeError, match="only resolves inside a worker process"):
+        worker_runtime.worker_index()
 
 
 def test_what_travels_by_value_and_what_is_imported(tmp_path, monkeypatch):

@@ -27,6 +27,11 @@ def sigterm_restored():
 
 
 def _setup(s, directory, steps=STEPS, **config):
+    return _setup_with_manager(s, directory, steps, **config)[:4]
+
+
+def _setup_with_manager(s, directory, steps=STEPS, **config):
+    """``_setup``'s variable, iterator, handler and step, and the manager given to the handler."""
     data = [np.full((4, 1), i, np.float32) for i in range(steps)]
     with s.scope():
         w = jm.Variable(0.0)
@@ -42,7 +47,7 @@ def _setup(s, directory, steps=STEPS, **config):
     def step(batch):
         return s.run(replica_step, args=(batch,))
 
-    return w, iterator, handler, step
+    return w, iterator, handler, step, manager
 
 
 def _uninterrupted(steps=STEPS):
@@ -101,8 +106,8 @@ def test_a_termination_watcher_and_an_exit_fn_that_returns(tmp_path):
 def test_save_fn_replaces_the_managers_save_and_save_checkpoint_if_preempted_counts(tmp_path):
     s = strategy(2)
     saved = []
-    w, iterator, handler, step = _setup(s, tmp_path / "ck", save_fn=lambda: saved.append(1),
-                                        exit_fn=lambda: None)
+    w, iterator, handler, step, manager = _setup_with_manager(
+        s, tmp_path / "ck", save_fn=lambda: saved.append(1), exit_fn=lambda: None)
     for _ in range(2):
         step(next(iterator))
         handler.save_checkpoint_if_preempted()
@@ -111,7 +116,7 @@ def test_save_fn_replaces_the_managers_save_and_save_checkpoint_if_preempted_cou
     step(next(iterator))
     handler.save_checkpoint_if_preempted()
     assert saved == [1] and handler.total_run_calls == 3
-    assert handler._manager.latest_checkpoint is None  # save_fn saved instead
+    assert manager.latest_checkpoint is None  # save_fn saved instead
 
 
 def test_save_checkpoint_if_preempted_saves_the_step_just_made(tmp_path):
@@ -137,7 +142,7 @@ def test_save_checkpoint_if_preempted_saves_the_step_just_made(tmp_path):
 def test_a_grace_period_saves_at_once_trains_on_and_saves_again_before_it_ends(tmp_path):
     s = strategy(2)
     exits, steps = [], 120
-    w, iterator, handler, step = _setup(
+    w, iterator, handler, step, manager = _setup_with_manager(
         s, tmp_path / "ck", steps, grace_period=3.0,
         exit_fn=lambda: exits.append((handler.total_run_calls, time.monotonic())))
     for _ in range(2):
@@ -148,12 +153,12 @@ def test_a_grace_period_saves_at_once_trains_on_and_saves_again_before_it_ends(t
     while not exits and handler.total_run_calls < steps:
         handler.run(step, next(iterator))
         if handler.total_run_calls == 3:  # saved at once, before the call after the notice
-            assert [os.path.basename(p) for p in handler._manager.checkpoints] == ["ckpt-1"]
+            assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1"]
         time.sleep(0.05)
     ((at, when),) = exits
     # Trained on, then saved again and exited before the grace period ended.
     assert at > 3 and when - noticed < 3.0
-    assert [os.path.basename(p) for p in handler._manager.checkpoints] == ["ckpt-1", "ckpt-2"]
+    assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-1", "ckpt-2"]
     assert _setup(s, tmp_path / "ck", steps)[2].total_run_calls == at
 
 
@@ -176,12 +181,13 @@ def test_stop_iteration_passes_through_and_an_exit_fn_that_returns_plans_no_exit
     from jaxmirror.runtime import failures
 
     s = strategy(2)
-    w, iterator, handler, step = _setup(s, tmp_path / "ck", exit_fn=lambda: None)
+    w, iterator, handler, step, manager = _setup_with_manager(s, tmp_path / "ck",
+                                                              exit_fn=lambda: None)
     with pytest.raises(StopIteration):
         handler.run(lambda: next(iter([])))
     os.kill(os.getpid(), signal.SIGTERM)
     handler.run(step, next(iterator))
-    assert handler._manager.latest_checkpoint is not None
+    assert manager.latest_checkpoint is not None
     assert not failures.planned_exit()  # the exit function returned: training goes on
 
 

@@ -13,6 +13,7 @@ from jax.experimental import io_callback
 
 import jaxmirror as jm
 from jaxmirror.core import inflight
+from jaxmirror.step.program import cache_of
 from jaxmirror.variables import state
 
 from conftest import strategy
@@ -214,9 +215,9 @@ def test_open_writes_stay_bounded_and_commit_in_order():
 
     for _ in range(5 * state.MAX_OPEN):
         step()
-        assert len(state._open) <= state.MAX_OPEN
+        assert state.open_steps() <= state.MAX_OPEN
     assert float(v.numpy()) == 5 * state.MAX_OPEN
-    assert len(state._open) == 0 and v._committed is None
+    assert state.open_steps() == 0 and v.variable_state.committed is None
 
 
 # -- jax_debug_nans / jax_debug_infs ----------------------------------------------------------
@@ -336,17 +337,31 @@ def test_a_program_is_released_with_its_function():
         return v.read_value()
 
     assert float(s.run(step)) == 2.0
-    before = len(s._programs)
-    program = weakref.ref(s._programs.get(step, ()))
+    gc.collect()  # programs of earlier tests' functions, garbage already, go first
+    before = len(cache_of(s))
+    program = weakref.ref(cache_of(s).get(step, ()))
     decorated = s.function(lambda: v.read_value() * 2)
     assert float(decorated()) == 4.0
-    assert len(s._programs) == before + 1
+    assert len(cache_of(s)) == before + 1
     del decorated
     gc.collect()
-    assert len(s._programs) == before and program() is not None
+    assert len(cache_of(s)) == before and program() is not None
     del step
     gc.collect()
-    assert len(s._programs) == before - 1 and program() is None
+    assert len(cache_of(s)) == before - 1 and program() is None
+
+
+def test_program_cache_of_finds_each_strategys_own_cache():
+    a, b = strategy(2), strategy(4)
+
+    def double(x):
+        return x * 2
+
+    assert float(a.run(double, args=(jnp.float32(1.5),))) == 3.0
+    assert cache_of(a).get(double, ()).trace_count == 1  # the program run made
+    assert cache_of(b) is not cache_of(a)
+    assert double not in [p.fn for p in cache_of(b).programs()]
+    assert cache_of(object()) is None and cache_of(3) is None
 
 
 def _strategy_variable_and_steps():
@@ -385,12 +400,12 @@ def test_bound_methods_share_a_program_while_their_object_lives():
     m = Model()
     assert float(s.run(m.step, args=(jnp.float32(2.0),))) == 6.0
     assert float(s.run(m.step, args=(jnp.float32(3.0),))) == 9.0  # a new bound method object
-    program = s._programs.get(m.step, ())
+    program = cache_of(s).get(m.step, ())
     assert program.trace_count == 1 and program.fn == m.step
     owner = weakref.ref(m)
     del m
     gc.collect()
-    assert owner() is None and program not in s._programs.programs()
+    assert owner() is None and program not in cache_of(s).programs()
 
 
 def test_callables_that_cannot_be_weakly_referenced_still_run_and_are_cached():
@@ -406,6 +421,6 @@ def test_callables_that_cannot_be_weakly_referenced_still_run_and_are_cached():
     with pytest.raises(TypeError):
         weakref.ref(negate)
     assert float(s.run(negate, args=(jnp.float32(2.0),))) == -2.0
-    program = s._programs.get(negate, ())
+    program = cache_of(s).get(negate, ())
     assert float(s.run(negate, args=(jnp.float32(3.0),))) == -3.0
-    assert s._programs.get(negate, ()) is program and program.trace_count == 1
+    assert cache_of(s).get(negate, ()) is program and program.trace_count == 1

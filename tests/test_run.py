@@ -11,7 +11,7 @@ import pytest
 
 import jaxmirror as jm
 from conftest import mirrored
-from jaxmirror.core import inflight as _inflight
+from jaxmirror.core import inflight
 
 NS = [2, 4, 8]
 
@@ -47,7 +47,7 @@ def test_decorator_on_function_with_positional_parameter_returns_step():
     def step(params, batch):
         return params + jm.get_replica_context().all_reduce("sum", batch)
 
-    assert callable(step) and isinstance(step, jm.step.step_function.Step)
+    assert callable(step) and isinstance(step, jm.step.program.Step)
     b = per_replica(s, lambda i: np.float32(i + 1))
     assert float(step(jnp.float32(10), b)) == 13.0
 
@@ -362,18 +362,18 @@ def test_run_options_validation():
 
 
 def test_unsynchronised_loop_does_not_deadlock_on_cpu():
-    _inflight.drain()
+    inflight.drain()
     s = mirrored(8)
     step = s.function(lambda p: p + jm.get_replica_context().all_reduce("sum", 1.0))
     p = jnp.float32(0)
     for _ in range(200):
         p = step(p)
-        assert len(_inflight._queue) <= _inflight.MAX_IN_FLIGHT
+        assert len(inflight.queued()) <= inflight.MAX_IN_FLIGHT
     assert float(p) == 1600.0
 
 
 def test_steps_without_outputs_are_bounded_too():
-    _inflight.drain()
+    inflight.drain()
     s = mirrored(8)
 
     def no_outputs(x):
@@ -382,17 +382,17 @@ def test_steps_without_outputs_are_bounded_too():
     step = s.function(no_outputs)
     for _ in range(100):
         assert step(jnp.ones(())) is None
-    assert 0 < len(_inflight._queue) <= _inflight.MAX_IN_FLIGHT
+    assert 0 < len(inflight.queued()) <= inflight.MAX_IN_FLIGHT
 
 
 def test_reduce_in_an_unsynchronised_loop_is_bounded_too():
-    _inflight.drain()
+    inflight.drain()
     s = mirrored(8)
     v = per_replica(s, lambda i: np.float32(i))
     for _ in range(64):
         r = s.reduce("sum", v, axis=None)
         g = s.gather(s.run(lambda x: x[None], args=(v,)), axis=0)
-        assert len(_inflight._queue) <= _inflight.MAX_IN_FLIGHT
+        assert len(inflight.queued()) <= inflight.MAX_IN_FLIGHT
     assert float(r) == 28.0 and g.tolist() == list(range(8))
 
 
@@ -410,7 +410,7 @@ def test_compile_count_sees_placement_only_rebuilds_without_retracing():
 
 
 def test_in_flight_handle_is_the_smallest_output_found_without_flattening():
-    _inflight.drain()
+    inflight.drain()
     s = mirrored(4)
     x = per_replica(s, lambda i: np.float32(i))
 
@@ -419,9 +419,9 @@ def test_in_flight_handle_is_the_smallest_output_found_without_flattening():
         return {"params": params + 1, "metrics": (x * 2, jm.get_replica_context().all_reduce("sum", x))}
 
     out = step(jnp.zeros((64, 64)), x)
-    assert _inflight._queue[-1] is out["metrics"][0].stacked  # 4 floats beat a 64x64 array
+    assert inflight.queued()[-1] is out["metrics"][0].stacked  # 4 floats beat a 64x64 array
     out = step(jnp.zeros((64, 64)), x)
-    assert _inflight._queue[-1] is out["metrics"][0].stacked
+    assert inflight.queued()[-1] is out["metrics"][0].stacked
 
 
 def test_one_device_is_not_bounded():

@@ -125,9 +125,10 @@ def test_assignments_are_new_outputs_and_variables_keep_their_placement():
 
     step()
     step()
-    assert isinstance(v._state, jax.Array) and v._state.sharding.is_fully_replicated
-    assert isinstance(t._state, jm.PerReplica)
-    assert t._state.stacked.sharding.spec == jax.sharding.PartitionSpec("replica")
+    stored_v, stored_t = v.variable_state.value, t.variable_state.value
+    assert isinstance(stored_v, jax.Array) and stored_v.sharding.is_fully_replicated
+    assert isinstance(stored_t, jm.PerReplica)
+    assert stored_t.stacked.sharding.spec == jax.sharding.PartitionSpec("replica")
     assert np.asarray(t.numpy()).tolist() == [2.0, 2.0]
     assert step.trace_count == 1  # the user's Python runs once (candidates bound in that trace)
 
@@ -138,13 +139,13 @@ def test_mirrored_variable_with_diverged_components_reads_component_0_in_the_ste
         v = jm.Variable(0.0)  # aggregation NONE
     s.run(lambda: v.assign(rid() * 1.0 + 1.0))
     assert comps(v) == [1.0, 2.0]
-    assert isinstance(v._state, jm.PerReplica)
+    assert isinstance(v.variable_state.value, jm.PerReplica)
     # In the next step each replica reads its own component; merge_fn reads component 0.
     out = s.run(lambda: (v.value(), jm.get_replica_context().merge_call(lambda st: v.value())))
     assert [float(x) for x in s.experimental_local_results(out[0])] == [1.0, 2.0]
     assert float(out[1]) == 1.0
     v.assign(3.0)  # a cross-replica assignment brings the components together again
-    assert comps(v) == [3.0, 3.0] and isinstance(v._state, jax.Array)
+    assert comps(v) == [3.0, 3.0] and isinstance(v.variable_state.value, jax.Array)
 
 
 def test_step_with_variables_refuses_outer_transformations():

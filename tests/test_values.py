@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxmirror as jm
+from jaxmirror.step.program import cache_of
 from conftest import mirrored
 
 
@@ -75,7 +76,7 @@ def test_extended_basics():
 
 def test_errors_before_device_work_leave_no_program_behind():
     s = mirrored(2)
-    before = s._programs.programs()
+    before = cache_of(s).programs()
     with pytest.raises(ValueError):
         s.run(lambda x: x, args=3)
-    assert s._programs.programs() == before
+    assert cache_of(s).programs() == before

@@ -19,8 +19,9 @@ def format_master_url(master: str, rpc_layer: str | None = None) -> str:
 
     TF writes ``"grpc://"`` for an empty master; an empty master stays ``""`` here.
 
-    >>> format_master_url("host:2222", "grpc"), format_master_url("host:2222")
-    ('grpc://host:2222', 'host:2222')
+    Example:
+        >>> format_master_url("host:2222", "grpc"), format_master_url("host:2222")
+        ('grpc://host:2222', 'host:2222')
     """
     return f"{rpc_layer}://{master}" if rpc_layer and master else master
 
@@ -28,9 +29,10 @@ def format_master_url(master: str, rpc_layer: str | None = None) -> str:
 def local_accelerators() -> dict[str, int]:
     """This process's accelerators by TF kind, e.g. ``{"GPU": 2}``; ``{}`` on a CPU-only host.
 
-    >>> counts = local_accelerators()  # e.g. {"GPU": 2}; {} with CPUs only
-    >>> set(counts) <= {"GPU", "TPU"} and all(n > 0 for n in counts.values())
-    True
+    Example:
+        >>> counts = local_accelerators()  # e.g. {"GPU": 2}; {} with CPUs only
+        >>> set(counts) <= {"GPU", "TPU"} and all(n > 0 for n in counts.values())
+        True
     """
     counts: dict[str, int] = {}
     for device in jax.local_devices():
@@ -53,17 +55,18 @@ class ClusterResolver(abc.ABC):
     - ``task_id``: this process's index within its job; ``None`` when it does not apply.
     - ``rpc_layer``: the protocol between tasks, e.g. ``"grpc"``; ``None`` for none.
 
-    >>> class OneTask(ClusterResolver):
-    ...     def cluster_spec(self):
-    ...         return ClusterSpec({"worker": ["localhost:2222"]})
-    ...     def master(self, task_type=None, task_id=None, rpc_layer=None):
-    ...         return ""
-    >>> resolver = OneTask()
-    >>> resolver.task_type, resolver.task_id, resolver.environment
-    (None, None, '')
-    >>> resolver.task_type, resolver.task_id = "worker", 0
-    >>> resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
-    'localhost:2222'
+    Example:
+        >>> class OneTask(ClusterResolver):
+        ...     def cluster_spec(self):
+        ...         return ClusterSpec({"worker": ["localhost:2222"]})
+        ...     def master(self, task_type=None, task_id=None, rpc_layer=None):
+        ...         return ""
+        >>> resolver = OneTask()
+        >>> resolver.task_type, resolver.task_id, resolver.environment
+        (None, None, '')
+        >>> resolver.task_type, resolver.task_id = "worker", 0
+        >>> resolver.cluster_spec().task_address(resolver.task_type, resolver.task_id)
+        'localhost:2222'
     """
 
     @abc.abstractmethod
@@ -71,7 +74,7 @@ class ClusterResolver(abc.ABC):
         """The cluster as it is now: a `ClusterSpec` (re-read every call, not cached).
 
         Returns:
-          A `ClusterSpec`.
+            A `ClusterSpec`.
         """
 
     @abc.abstractmethod
@@ -79,12 +82,12 @@ class ClusterResolver(abc.ABC):
         """The address of a task, e.g. ``"grpc://host:2222"`` (TF 1's session master).
 
         Args:
-          task_type: the task's job; this resolver's own task when ``None``.
-          task_id: the task's index; this resolver's own task when ``None``.
-          rpc_layer: the protocol put in front; this resolver's `rpc_layer` when ``None``.
+            task_type: the task's job; this resolver's own task when ``None``.
+            task_id: the task's index; this resolver's own task when ``None``.
+            rpc_layer: the protocol put in front; this resolver's `rpc_layer` when ``None``.
 
         Returns:
-          The address as a string, ``""`` when there is none.
+            The address as a string, ``""`` when there is none.
         """
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict[str, int]:
@@ -95,12 +98,12 @@ class ClusterResolver(abc.ABC):
         multi-worker strategies assume. CPUs are not counted.
 
         Args:
-          task_type: unused (accepted for TF's signature).
-          task_id: unused (accepted for TF's signature).
-          config_proto: unused (TF's session configuration).
+            task_type: unused (accepted for TF's signature).
+            task_id: unused (accepted for TF's signature).
+            config_proto: unused (TF's session configuration).
 
         Returns:
-          A dict from ``"GPU"``/``"TPU"`` to a count; ``{}`` on a CPU-only machine.
+            A dict from ``"GPU"``/``"TPU"`` to a count; ``{}`` on a CPU-only machine.
         """
         del task_type, task_id, config_proto
         return local_accelerators()
@@ -155,25 +158,26 @@ class SimpleClusterResolver(ClusterResolver):
     """A cluster resolver that returns what it was given (TF's ``SimpleClusterResolver``).
 
     Args:
-      cluster_spec: the cluster: a `ClusterSpec` (or a dict, made into one).
-      master: the master address `master` returns when no task is asked for.
-      task_type: this process's job, e.g. ``"worker"``.
-      task_id: this process's index within its job.
-      environment: ``"google"`` or ``""``.
-      num_accelerators: what `num_accelerators` returns, e.g. ``{"GPU": 8}``, as given. As in
-        TF, nothing is detected: ``None`` means ``{}`` (no accelerators).
-      rpc_layer: the protocol `master` puts in front of addresses, e.g. ``"grpc"``.
+        cluster_spec: the cluster: a `ClusterSpec` (or a dict, made into one).
+        master: the master address `master` returns when no task is asked for.
+        task_type: this process's job, e.g. ``"worker"``.
+        task_id: this process's index within its job.
+        environment: ``"google"`` or ``""``.
+        num_accelerators: what `num_accelerators` returns, e.g. ``{"GPU": 8}``, as given. As in
+            TF, nothing is detected: ``None`` means ``{}`` (no accelerators).
+        rpc_layer: the protocol `master` puts in front of addresses, e.g. ``"grpc"``.
 
     Raises:
-      TypeError: an argument has the wrong type; the message names it.
+        TypeError: an argument has the wrong type; the message names it.
 
-    >>> spec = ClusterSpec({"worker": ["w0.example.com:2222", "w1.example.com:2222"]})
-    >>> resolver = SimpleClusterResolver(spec, task_type="worker", task_id=1,
-    ...                                  num_accelerators={"GPU": 8}, rpc_layer="grpc")
-    >>> resolver.task_type, resolver.task_id, resolver.num_accelerators()
-    ('worker', 1, {'GPU': 8})
-    >>> resolver.master("worker", 0)
-    'grpc://w0.example.com:2222'
+    Example:
+        >>> spec = ClusterSpec({"worker": ["w0.example.com:2222", "w1.example.com:2222"]})
+        >>> resolver = SimpleClusterResolver(spec, task_type="worker", task_id=1,
+        ...                                  num_accelerators={"GPU": 8}, rpc_layer="grpc")
+        >>> resolver.task_type, resolver.task_id, resolver.num_accelerators()
+        ('worker', 1, {'GPU': 8})
+        >>> resolver.master("worker", 0)
+        'grpc://w0.example.com:2222'
     """
 
     def __init__(self, cluster_spec, master="", task_type=None, task_id=None, environment="",
@@ -203,7 +207,7 @@ class SimpleClusterResolver(ClusterResolver):
         """The `ClusterSpec` given to the constructor.
 
         Returns:
-          A `ClusterSpec`.
+            A `ClusterSpec`.
         """
         return self._cluster_spec
 
@@ -211,12 +215,12 @@ class SimpleClusterResolver(ClusterResolver):
         """The given master, or task ``task_id`` of ``task_type``'s address when both are given.
 
         Args:
-          task_type: a job of the cluster.
-          task_id: a task index of that job.
-          rpc_layer: the protocol put in front; this resolver's `rpc_layer` when ``None``.
+            task_type: a job of the cluster.
+            task_id: a task index of that job.
+            rpc_layer: the protocol put in front; this resolver's `rpc_layer` when ``None``.
 
         Returns:
-          E.g. ``"grpc://host:2222"``; ``""`` when no master was given and no task is asked for.
+            E.g. ``"grpc://host:2222"``; ``""`` when no master was given and no task is asked for.
         """
         if task_type is not None and task_id is not None:
             master = self._cluster_spec.task_address(task_type, task_id)
@@ -233,7 +237,7 @@ class SimpleClusterResolver(ClusterResolver):
         """The ``num_accelerators`` given to the constructor, or ``{}``; the arguments are unused.
 
         Returns:
-          A dict from accelerator kind to count.
+            A dict from accelerator kind to count.
         """
         del task_type, task_id, config_proto
         return {} if self._num_accelerators is None else self._num_accelerators

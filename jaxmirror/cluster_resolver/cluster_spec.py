@@ -27,26 +27,27 @@ def parse_address(address, where: str = "parse_address") -> tuple[str, int]:
     integer in 1-65535. Every address of a `ClusterSpec` goes through this check.
 
     Args:
-      address: the address, e.g. ``"worker0.example.com:2222"`` or ``"[::1]:2222"``.
-      where: what the address belongs to, put at the head of an error message, e.g.
-        ``"ClusterSpec: job 'worker' task 1"``.
+        address: the address, e.g. ``"worker0.example.com:2222"`` or ``"[::1]:2222"``.
+        where: what the address belongs to, put at the head of an error message, e.g.
+            ``"ClusterSpec: job 'worker' task 1"``.
 
     Returns:
-      ``(host, port)``: the host as written (an IPv6 host without its brackets) and the port
-      as an ``int``.
+        ``(host, port)``: the host as written (an IPv6 host without its brackets) and the port
+        as an ``int``.
 
     Raises:
-      TypeError: ``address`` is not a string.
-      ValueError: ``address`` is not ``"host:port"``; the message names ``where``, quotes the
-        address and says what was expected.
+        TypeError: ``address`` is not a string.
+        ValueError: ``address`` is not ``"host:port"``; the message names ``where``, quotes the
+            address and says what was expected.
 
-    >>> parse_address("worker0.example.com:2222")
-    ('worker0.example.com', 2222)
-    >>> parse_address("[::1]:2222")
-    ('::1', 2222)
-    >>> parse_address("localhost", where="job 'worker' task 0")
-    Traceback (most recent call last):
-    ValueError: job 'worker' task 0: address 'localhost' has no port; expected 'host:port' ...
+    Example:
+        >>> parse_address("worker0.example.com:2222")
+        ('worker0.example.com', 2222)
+        >>> parse_address("[::1]:2222")
+        ('::1', 2222)
+        >>> parse_address("localhost", where="job 'worker' task 0")
+        Traceback (most recent call last):
+        ValueError: job 'worker' task 0: address 'localhost' has no port; expected 'host:port' ...
     """
     if not isinstance(address, str):
         raise TypeError(f"{where}: address {address!r} is a {type(address).__name__}, not a "
@@ -110,19 +111,20 @@ def normalize_cluster(cluster, where: str = "ClusterSpec") -> dict[str, dict[int
     """Checks a cluster given as a dict and returns it as ``{job: {task index: address}}``.
 
     Args:
-      cluster: ``None`` (no jobs) or a mapping from job names to a list of addresses (tasks
-        0, 1, ...) or a dict ``{task index: address}`` (a sparse job, as TF allows).
-      where: what the cluster is, at the head of error messages, e.g. ``"TF_CONFIG['cluster']"``.
+        cluster: ``None`` (no jobs) or a mapping from job names to a list of addresses (tasks
+            0, 1, ...) or a dict ``{task index: address}`` (a sparse job, as TF allows).
+        where: what the cluster is, at the head of error messages, e.g. ``"TF_CONFIG['cluster']"``.
 
     Returns:
-      A new dict, jobs sorted by name and each job's tasks sorted by index.
+        A new dict, jobs sorted by name and each job's tasks sorted by index.
 
     Raises:
-      TypeError: a job name, a job's tasks, an index or an address has the wrong type.
-      ValueError: an index is negative or repeated, or an address is not ``"host:port"``.
+        TypeError: a job name, a job's tasks, an index or an address has the wrong type.
+        ValueError: an index is negative or repeated, or an address is not ``"host:port"``.
 
-    >>> normalize_cluster({"worker": ["a:1", "b:2"], "ps": {"3": "c:3"}})
-    {'ps': {3: 'c:3'}, 'worker': {0: 'a:1', 1: 'b:2'}}
+    Example:
+        >>> normalize_cluster({"worker": ["a:1", "b:2"], "ps": {"3": "c:3"}})
+        {'ps': {3: 'c:3'}, 'worker': {0: 'a:1', 1: 'b:2'}}
     """
     if cluster is None:
         return {}
@@ -158,33 +160,35 @@ class ClusterSpec:
     """A cluster as a set of jobs, each a set of tasks with network addresses (TF's
     ``tf.train.ClusterSpec``).
 
-    Args:
-      cluster: a dict mapping job names to a list of ``"host:port"`` addresses (tasks 0, 1,
-        ...) or to a dict ``{task index: "host:port"}`` (a sparse job: a process may know only
-        some of the tasks); or another `ClusterSpec`; or ``None`` or ``{}`` for no jobs.
-
-    Raises:
-      TypeError: ``cluster`` or a part of it has the wrong type; the message names the job.
-      ValueError: an address is not ``"host:port"`` (see `parse_address`) or an index is bad.
-
     Unlike TF, `jobs` are sorted by name, every address is checked, and there is no
     ``as_cluster_def`` (no protocol buffers here).
 
-    >>> spec = ClusterSpec({"worker": ["w0.example.com:2222", "w1.example.com:2222"],
-    ...                     "ps": {1: "ps1.example.com:2222"}})
-    >>> spec.jobs
-    ['ps', 'worker']
-    >>> spec.num_tasks("worker"), spec.task_indices("ps")
-    (2, [1])
-    >>> spec.task_address("worker", 1)
-    'w1.example.com:2222'
-    >>> spec.as_dict()
-    {'ps': {1: 'ps1.example.com:2222'}, 'worker': ['w0.example.com:2222', 'w1.example.com:2222']}
-    >>> ClusterSpec(spec.as_dict()) == spec
-    True
-    >>> spec.task_address("chief", 0)
-    Traceback (most recent call last):
-    ValueError: ClusterSpec: no job 'chief' in the cluster; its jobs are ['ps', 'worker'].
+    Args:
+        cluster: a dict mapping job names to a list of ``"host:port"`` addresses (tasks 0, 1,
+            ...) or to a dict ``{task index: "host:port"}`` (a sparse job: a process may know only
+            some of the tasks); or another `ClusterSpec`; or ``None`` or ``{}`` for no jobs.
+
+    Raises:
+        TypeError: ``cluster`` or a part of it has the wrong type; the message names the job.
+        ValueError: an address is not ``"host:port"`` (see `parse_address`) or an index is bad.
+
+    Example:
+        >>> spec = ClusterSpec({"worker": ["w0.example.com:2222", "w1.example.com:2222"],
+        ...                     "ps": {1: "ps1.example.com:2222"}})
+        >>> spec.jobs
+        ['ps', 'worker']
+        >>> spec.num_tasks("worker"), spec.task_indices("ps")
+        (2, [1])
+        >>> spec.task_address("worker", 1)
+        'w1.example.com:2222'
+        >>> spec.as_dict()
+        {'ps': {1: 'ps1.example.com:2222'},
+         'worker': ['w0.example.com:2222', 'w1.example.com:2222']}
+        >>> ClusterSpec(spec.as_dict()) == spec
+        True
+        >>> spec.task_address("chief", 0)
+        Traceback (most recent call last):
+        ValueError: ClusterSpec: no job 'chief' in the cluster; its jobs are ['ps', 'worker'].
     """
 
     def __init__(self, cluster=None):
@@ -235,8 +239,8 @@ class ClusterSpec:
         """The ``"host:port"`` address of task ``task_index`` of ``job_name``.
 
         Raises:
-          ValueError: no such job, or the job has no task ``task_index``; the message lists
-            the jobs, or the job's task indices.
+            ValueError: no such job, or the job has no task ``task_index``; the message lists
+                the jobs, or the job's task indices.
         """
         tasks = self._job(job_name)
         try:

@@ -36,18 +36,19 @@ def expand_hostlist(hostlist: str) -> list[str]:
     one bracket group per name is supported (not ``"a[1-2]b[3-4]"``).
 
     Args:
-      hostlist: the compressed list, as in ``SLURM_STEP_NODELIST``.
+        hostlist: the compressed list, as in ``SLURM_STEP_NODELIST``.
 
     Returns:
-      The names, in order, without removing repeats.
+        The names, in order, without removing repeats.
 
     Raises:
-      ValueError: ``hostlist`` is not a hostlist; the message quotes it and says why.
+        ValueError: ``hostlist`` is not a hostlist; the message quotes it and says why.
 
-    >>> expand_hostlist("node[01-03,07],gpu5")
-    ['node01', 'node02', 'node03', 'node07', 'gpu5']
-    >>> expand_hostlist("n[8-10]-ib")
-    ['n8-ib', 'n9-ib', 'n10-ib']
+    Example:
+        >>> expand_hostlist("node[01-03,07],gpu5")
+        ['node01', 'node02', 'node03', 'node07', 'gpu5']
+        >>> expand_hostlist("n[8-10]-ib")
+        ['n8-ib', 'n9-ib', 'n10-ib']
     """
 
     def bad(why):
@@ -92,17 +93,18 @@ def expand_tasks_per_node(tasks_per_node: str) -> list[int]:
     """The number of tasks on each node from Slurm's compressed form, e.g. ``"2(x3),1"``.
 
     Args:
-      tasks_per_node: as in ``SLURM_STEP_TASKS_PER_NODE``: counts, ``"n(xk)"`` for ``k`` nodes
-        with ``n`` tasks each.
+        tasks_per_node: as in ``SLURM_STEP_TASKS_PER_NODE``: counts, ``"n(xk)"`` for ``k`` nodes
+            with ``n`` tasks each.
 
     Returns:
-      One count per node, in the node list's order.
+        One count per node, in the node list's order.
 
     Raises:
-      ValueError: the text is not in that form; the message quotes it.
+        ValueError: the text is not in that form; the message quotes it.
 
-    >>> expand_tasks_per_node("2(x3),1")
-    [2, 2, 2, 1]
+    Example:
+        >>> expand_tasks_per_node("2(x3),1")
+        [2, 2, 2, 1]
     """
     counts = []
     for part in str(tasks_per_node).split(","):
@@ -164,6 +166,19 @@ def _nvidia_smi_gpus() -> int:
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
+def forget_chosen_gpus() -> None:
+    """Forget the ``CUDA_VISIBLE_DEVICES`` values this process's resolvers set (for tests and
+    diagnostics): a value set since is then read as given, not as a share of a longer list.
+
+    Returns:
+        ``None``.
+
+    Example:
+        >>> forget_chosen_gpus()
+    """
+    _CHOSEN_FROM.clear()
+
+
 class SlurmClusterResolver(ClusterResolver):
     """The cluster and this process's task from Slurm (TF's ``SlurmClusterResolver``).
 
@@ -183,36 +198,37 @@ class SlurmClusterResolver(ClusterResolver):
     it is set once, here, and left alone when the task gets no GPUs.
 
     Args:
-      jobs: ``{job name: number of tasks}``; ``None`` makes every task a ``"worker"``.
-      port_base: the port of the first task on each node.
-      gpus_per_node: the GPUs of a node; when ``None``, counted from ``CUDA_VISIBLE_DEVICES``,
-        else ``SLURM_GPUS_ON_NODE``, else ``nvidia-smi`` (0 without it).
-      gpus_per_task: GPUs for each task; when ``None``, a node's GPUs split evenly among the
-        most tasks a node runs.
-      tasks_per_node: tasks on each node: an int for every node, or ``{host: count}`` (the
-        hosts then come from it, in its order); when ``None``, read from Slurm.
-      auto_set_gpu: whether to set ``CUDA_VISIBLE_DEVICES`` to this task's GPUs.
-      rpc_layer: the protocol `master` puts in front of addresses.
+        jobs: ``{job name: number of tasks}``; ``None`` makes every task a ``"worker"``.
+        port_base: the port of the first task on each node.
+        gpus_per_node: the GPUs of a node; when ``None``, counted from ``CUDA_VISIBLE_DEVICES``,
+            else ``SLURM_GPUS_ON_NODE``, else ``nvidia-smi`` (0 without it).
+        gpus_per_task: GPUs for each task; when ``None``, a node's GPUs split evenly among the
+            most tasks a node runs.
+        tasks_per_node: tasks on each node: an int for every node, or ``{host: count}`` (the
+            hosts then come from it, in its order); when ``None``, read from Slurm.
+        auto_set_gpu: whether to set ``CUDA_VISIBLE_DEVICES`` to this task's GPUs.
+        rpc_layer: the protocol `master` puts in front of addresses.
 
     Raises:
-      RuntimeError: a Slurm variable is missing (not running under Slurm), the variables
-        disagree, ``jobs`` ask for a number of tasks other than the step has, or the tasks of
-        a node want more GPUs than it has.
-      ValueError: a Slurm variable is malformed (the message names and quotes it).
-      TypeError: an argument has the wrong type.
+        RuntimeError: a Slurm variable is missing (not running under Slurm), the variables
+            disagree, ``jobs`` ask for a number of tasks other than the step has, or the tasks of
+            a node want more GPUs than it has.
+        ValueError: a Slurm variable is malformed (the message names and quotes it).
+        TypeError: an argument has the wrong type.
 
-    >>> from unittest import mock
-    >>> step = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
-    ...         "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
-    ...         "SLURMD_NODENAME": "node02"}
-    >>> with mock.patch.dict(os.environ, step):
-    ...     resolver = SlurmClusterResolver(gpus_per_node=4, auto_set_gpu=False)
-    >>> resolver.cluster_spec()
-    ClusterSpec({'worker': ['node01:8888', 'node01:8889', 'node02:8888', 'node02:8889']})
-    >>> resolver.task_type, resolver.task_id, resolver.master()
-    ('worker', 3, 'grpc://node02:8889')
-    >>> resolver.num_accelerators()
-    {'GPU': 2}
+    Example:
+        >>> from unittest import mock
+        >>> step = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
+        ...         "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        ...         "SLURMD_NODENAME": "node02"}
+        >>> with mock.patch.dict(os.environ, step):
+        ...     resolver = SlurmClusterResolver(gpus_per_node=4, auto_set_gpu=False)
+        >>> resolver.cluster_spec()
+        ClusterSpec({'worker': ['node01:8888', 'node01:8889', 'node02:8888', 'node02:8889']})
+        >>> resolver.task_type, resolver.task_id, resolver.master()
+        ('worker', 3, 'grpc://node02:8889')
+        >>> resolver.num_accelerators()
+        {'GPU': 2}
     """
 
     def __init__(self, jobs=None, port_base=8888, gpus_per_node=None, gpus_per_task=None,
@@ -343,7 +359,7 @@ class SlurmClusterResolver(ClusterResolver):
         """The cluster laid out from Slurm's variables when this resolver was made.
 
         Returns:
-          A `ClusterSpec`.
+            A `ClusterSpec`.
         """
         return self._cluster
 
@@ -351,7 +367,7 @@ class SlurmClusterResolver(ClusterResolver):
         """``(task_type, task_id)`` of this process (TF's ``get_task_info``).
 
         Returns:
-          This process's job name and index in it.
+            This process's job name and index in it.
         """
         return self.task_type, self.task_id
 
@@ -359,12 +375,12 @@ class SlurmClusterResolver(ClusterResolver):
         """A task's address with its protocol, e.g. ``"grpc://node01:8888"``.
 
         Args:
-          task_type: the task's job; this process's when ``None``.
-          task_id: the task's index; this process's when ``None``.
-          rpc_layer: the protocol; this resolver's `rpc_layer` when ``None``.
+            task_type: the task's job; this process's when ``None``.
+            task_id: the task's index; this process's when ``None``.
+            rpc_layer: the protocol; this resolver's `rpc_layer` when ``None``.
 
         Returns:
-          ``"rpc_layer://host:port"``; ``""`` when there is no task to take, as in TF.
+            ``"rpc_layer://host:port"``; ``""`` when there is no task to take, as in TF.
         """
         task_type = self.task_type if task_type is None else task_type
         task_id = self.task_id if task_id is None else task_id
@@ -377,7 +393,7 @@ class SlurmClusterResolver(ClusterResolver):
         """``{"GPU": gpus_per_task}`` (every task gets as many); ``{}`` with no GPUs per task.
 
         Returns:
-          A dict from accelerator kind to count; the arguments are unused.
+            A dict from accelerator kind to count; the arguments are unused.
         """
         del task_type, task_id, config_proto
         return {"GPU": self._gpus_per_task} if self._gpus_per_task else {}

@@ -98,25 +98,26 @@ def parse_tf_config(text: str | None) -> TFConfig:
     """Parses and checks the text of a ``TF_CONFIG``.
 
     Args:
-      text: the JSON; ``None``, ``""`` or blanks mean no ``TF_CONFIG`` (no cluster, no task).
+        text: the JSON; ``None``, ``""`` or blanks mean no ``TF_CONFIG`` (no cluster, no task).
 
     Returns:
-      A `TFConfig`.
+        A `TFConfig`.
 
     Raises:
-      ValueError: the JSON is malformed, is not an object, or one of ``"cluster"``,
-        ``"task"``, ``"rpc_layer"``, ``"environment"``, ``"session_master"`` is wrong, or the
-        task is not in the cluster. The message names ``TF_CONFIG`` and quotes what it holds.
+        ValueError: the JSON is malformed, is not an object, or one of ``"cluster"``,
+            ``"task"``, ``"rpc_layer"``, ``"environment"``, ``"session_master"`` is wrong, or the
+            task is not in the cluster. The message names ``TF_CONFIG`` and quotes what it holds.
 
-    >>> config = parse_tf_config('{"cluster": {"worker": ["a:2222", "b:2222"]},'
-    ...                          ' "task": {"type": "worker", "index": 1}}')
-    >>> config.cluster, config.task_type, config.task_id
-    (ClusterSpec({'worker': ['a:2222', 'b:2222']}), 'worker', 1)
-    >>> parse_tf_config('{"cluster": {"worker": ["a:2222"]},'
-    ...                 ' "task": {"type": "worker", "index": 3}}')
-    Traceback (most recent call last):
-    ValueError: TFConfigClusterResolver: TF_CONFIG: task index 3 is outside the cluster: job
-    'worker' has 1 task (indices 0).
+    Example:
+        >>> config = parse_tf_config('{"cluster": {"worker": ["a:2222", "b:2222"]},'
+        ...                          ' "task": {"type": "worker", "index": 1}}')
+        >>> config.cluster, config.task_type, config.task_id
+        (ClusterSpec({'worker': ['a:2222', 'b:2222']}), 'worker', 1)
+        >>> parse_tf_config('{"cluster": {"worker": ["a:2222"]},'
+        ...                 ' "task": {"type": "worker", "index": 3}}')
+        Traceback (most recent call last):
+        ValueError: TFConfigClusterResolver: TF_CONFIG: task index 3 is outside the cluster: job
+        'worker' has 1 task (indices 0).
     """
     if text is None or not text.strip():
         return TFConfig(ClusterSpec(), None, None, None, "", None)
@@ -150,12 +151,13 @@ def read_tf_config() -> TFConfig:
     """Reads and checks the ``TF_CONFIG`` environment variable now (see `parse_tf_config`).
 
     Returns:
-      A `TFConfig`; with no ``TF_CONFIG`` set, an empty cluster and no task.
+        A `TFConfig`; with no ``TF_CONFIG`` set, an empty cluster and no task.
 
-    >>> from unittest import mock
-    >>> with mock.patch.dict(os.environ, {"TF_CONFIG": '{"cluster": {"ps": ["p:1"]}}'}):
-    ...     read_tf_config().cluster
-    ClusterSpec({'ps': ['p:1']})
+    Example:
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"TF_CONFIG": '{"cluster": {"ps": ["p:1"]}}'}):
+        ...     read_tf_config().cluster
+        ClusterSpec({'ps': ['p:1']})
     """
     return parse_tf_config(os.environ.get("TF_CONFIG"))
 
@@ -174,31 +176,32 @@ class TFConfigClusterResolver(ClusterResolver):
     later) and checks it again: a ``TF_CONFIG`` broken later fails at its next use.
 
     Args:
-      task_type: this process's job, instead of ``TF_CONFIG``'s ``task.type``.
-      task_id: this process's index in its job, instead of ``TF_CONFIG``'s ``task.index``.
-      rpc_layer: the protocol between tasks, instead of ``TF_CONFIG``'s ``rpc_layer``.
-      environment: ``"google"`` or ``""``, instead of ``TF_CONFIG``'s ``environment``.
+        task_type: this process's job, instead of ``TF_CONFIG``'s ``task.type``.
+        task_id: this process's index in its job, instead of ``TF_CONFIG``'s ``task.index``.
+        rpc_layer: the protocol between tasks, instead of ``TF_CONFIG``'s ``rpc_layer``.
+        environment: ``"google"`` or ``""``, instead of ``TF_CONFIG``'s ``environment``.
 
     Raises:
-      ValueError: ``TF_CONFIG`` is malformed (the message names it, quotes what it holds and
-        shows what was expected), or the task given is not in its cluster.
-      TypeError: an argument has the wrong type.
+        ValueError: ``TF_CONFIG`` is malformed (the message names it, quotes what it holds and
+            shows what was expected), or the task given is not in its cluster.
+        TypeError: an argument has the wrong type.
 
-    >>> import json, os
-    >>> from unittest import mock
-    >>> config = {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]},
-    ...           "task": {"type": "worker", "index": 1}, "rpc_layer": "grpc"}
-    >>> with mock.patch.dict(os.environ, {"TF_CONFIG": json.dumps(config)}):
-    ...     resolver = TFConfigClusterResolver()
-    ...     print(resolver.task_type, resolver.task_id, resolver.master())
-    ...     print(resolver.cluster_spec().num_tasks("worker"), resolver.master("chief", 0))
-    worker 1 grpc://host2:2222
-    2 grpc://host0:2222
-    >>> with mock.patch.dict(os.environ, {"TF_CONFIG": '{"cluster": '}):
-    ...     TFConfigClusterResolver()
-    Traceback (most recent call last):
-    ValueError: TFConfigClusterResolver: TF_CONFIG is not valid JSON (Expecting value: line 1
-    column 13): '{"cluster": '; expected an object like {...}.
+    Example:
+        >>> import json, os
+        >>> from unittest import mock
+        >>> config = {"cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"]},
+        ...           "task": {"type": "worker", "index": 1}, "rpc_layer": "grpc"}
+        >>> with mock.patch.dict(os.environ, {"TF_CONFIG": json.dumps(config)}):
+        ...     resolver = TFConfigClusterResolver()
+        ...     print(resolver.task_type, resolver.task_id, resolver.master())
+        ...     print(resolver.cluster_spec().num_tasks("worker"), resolver.master("chief", 0))
+        worker 1 grpc://host2:2222
+        2 grpc://host0:2222
+        >>> with mock.patch.dict(os.environ, {"TF_CONFIG": '{"cluster": '}):
+        ...     TFConfigClusterResolver()
+        Traceback (most recent call last):
+        ValueError: TFConfigClusterResolver: TF_CONFIG is not valid JSON (Expecting value: line 1
+        column 13): '{"cluster": '; expected an object like {...}.
     """
 
     def __init__(self, task_type=None, task_id=None, rpc_layer=None, environment=None):
@@ -260,7 +263,7 @@ class TFConfigClusterResolver(ClusterResolver):
         """The cluster in ``TF_CONFIG`` now; an empty `ClusterSpec` without one.
 
         Returns:
-          A `ClusterSpec`.
+            A `ClusterSpec`.
         """
         return self._config().cluster
 
@@ -271,16 +274,16 @@ class TFConfigClusterResolver(ClusterResolver):
         cluster is empty or is a single task.
 
         Args:
-          task_type: the task's job; this process's when ``None``.
-          task_id: the task's index; this process's when ``None``.
-          rpc_layer: the protocol; this resolver's `rpc_layer` when ``None``.
+            task_type: the task's job; this process's when ``None``.
+            task_id: the task's index; this process's when ``None``.
+            rpc_layer: the protocol; this resolver's `rpc_layer` when ``None``.
 
         Returns:
-          The address, ``"rpc_layer://host:port"`` (``"host:port"`` without an RPC layer).
+            The address, ``"rpc_layer://host:port"`` (``"host:port"`` without an RPC layer).
 
         Raises:
-          ValueError: there is no task to take (none given, none in ``TF_CONFIG``), or the
-            cluster has no such task.
+            ValueError: there is no task to take (none given, none in ``TF_CONFIG``), or the
+                cluster has no such task.
         """
         config = self._config()
         if config.session_master is not None:

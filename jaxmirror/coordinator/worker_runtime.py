@@ -80,6 +80,22 @@ def install(index: int, num_workers: int, ps_handles, strategy_factory) -> None:
     _worker = _WorkerState(index, num_workers, ps_handles, strategy_factory)
 
 
+def uninstall() -> None:
+    """Make this process no worker again: ``install`` undone (for tests and diagnostics).
+
+    Returns:
+        ``None``.
+
+    Example:
+        >>> install(0, 1, [], lambda: None)
+        >>> worker_index()
+        0
+        >>> uninstall()
+    """
+    global _worker
+    _worker = None
+
+
 def current() -> _WorkerState:
     """This worker's state (``closures`` runs closures on it).
 

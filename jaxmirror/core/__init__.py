@@ -1,13 +1,19 @@
-"""The bottom layer: what every other layer of jaxmirror builds on, and nothing above it.
+"""The bottom layer: what every other layer builds on. It imports nothing else of jaxmirror.
 
-* ``context``: the stack of (strategy, replica context) entries, and the registry the default
-  strategy fills in;
-* ``values``: ``PerReplica`` and ``Mirrored`` values;
-* ``reduce_op``: ``ReduceOp``, ``VariableAggregation``, ``VariableSynchronization``;
-* ``devices``: TF device names, simulated CPU devices;
-* ``placement``: a strategy's mesh, shardings and the ways it places values;
-* ``stateful`` and ``binding``: what a compiled step needs from values with state, and the
-  traced stand-ins it binds them to;
-* ``inflight``: the bound on steps queued on CPU devices;
-* ``_compat``: every JAX-version-specific call.
+Modules:
+    ``context``: who is current: the stack of (strategy, replica context) entries.
+    ``values``: ``PerReplica`` and ``Mirrored``, the distributed values.
+    ``reduce_op``: ``ReduceOp``, ``VariableAggregation`` and ``VariableSynchronization``.
+    ``devices``: TF device names, and simulated CPU devices.
+    ``placement``: ``Placement``: a strategy's devices, mesh and shardings; how it places values.
+    ``across_processes``: one value placed on several processes' devices.
+    ``bits``: moving floats bit for bit, as unsigned integers.
+    ``replicated``: ``mark_replicated``: a value known to be the same on every replica.
+    ``stateful``: ``Stateful``: what a compiled step needs from a variable.
+    ``binding``: the traced stand-ins a step gives its variables while it is traced.
+    ``inflight``: the bound on steps queued on CPU devices.
+    ``checkpointable``: ``Checkpointable``: objects a checkpoint saves as a small array.
+    ``errors``: TF's error names for failures between processes (``UnavailableError``, ...).
+    ``rich_display``: the HTML tables Jupyter shows for values, variables and strategies.
+    ``_compat``: every JAX-version-specific call; the only module that touches ``jax._src``.
 """

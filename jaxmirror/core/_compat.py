@@ -6,7 +6,7 @@ says which public spelling is missing.
 
 from __future__ import annotations
 
-import sys
+import threading
 
 import jax
 import numpy as np
@@ -157,33 +157,17 @@ def set_cpu_device_count(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
-# Functions whose own jax.jit call must refuse array-like objects (their callers swap them for
-# arrays themselves), and the functions below them (traces) where array-likes are welcome again.
-_REFUSING: dict = {}
+class _ArrayLikeGuard(threading.local):
+    """A named flag per thread: ``refusal`` is set while a step's own ``jax.jit`` call takes
+    its arguments (``step/call_plan.py``), and cleared again while the step is traced (the
+    user's function may give variables to its own ``jax.jit``). While set, JAX abstracting an
+    array-like (``register_array_like``) raises ``refusal()``: a step must see its variables as
+    variables, and JAX taking them as arrays would drop their assignments."""
+
+    refusal = None
 
 
-def refuse_array_likes_in(code, error, until) -> None:
-    """Make array-likes (``register_array_like``) raise ``error()`` when a ``jax.jit`` called
-    by the function of ``code`` abstracts them, but not below a frame of ``until``'s code.
-
-    A step's program finds out that it was given variables by ``jax.jit`` refusing them (it
-    then passes their arrays); JAX accepting them as arrays would drop their assignments.
-    """
-    _REFUSING[code] = (error, until)
-
-
-def _check_refused():
-    # Only JAX abstracting a variable gets here (a step's hot path passes arrays): walking the
-    # stack costs nothing per step.
-    frame = sys._getframe(2)
-    stops = {until for _, until in _REFUSING.values()}
-    while frame is not None:
-        code = frame.f_code
-        if code in stops:
-            return
-        if code in _REFUSING:
-            raise _REFUSING[code][0]()
-        frame = frame.f_back
+array_like_guard = _ArrayLikeGuard()
 
 
 def register_array_like(cls, to_array) -> None:
@@ -195,11 +179,13 @@ def register_array_like(cls, to_array) -> None:
     keys) use.
     """
     def aval(x):
-        _check_refused()
+        if array_like_guard.refusal is not None:
+            raise array_like_guard.refusal()
         return _core.shaped_abstractify(to_array(x))
 
     def value(x):
-        _check_refused()
+        if array_like_guard.refusal is not None:
+            raise array_like_guard.refusal()
         return to_array(x)
 
     _core.pytype_aval_mappings[cls] = aval
@@ -389,12 +375,12 @@ _keep_nan_checks_on()
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Literal", "Mesh", "NamedSharding", "P", "PartitionSpec", "Primitive",
-    "abstract_key", "backend_started", "current_trace", "distributed_client",
+    "abstract_key", "array_like_guard", "backend_started", "current_trace", "distributed_client",
     "distributed_coordinator_address", "eqn_frames", "eval_jaxpr", "forget_failed_effect_tokens",
     "initialize_distributed", "is_staging", "is_tracer", "jaxpr_as_fun", "jaxprs_in_params",
     "kv_delete", "kv_get", "kv_set", "kv_try_get", "local_abstract_key", "make_mesh",
     "pbroadcast_p", "preemption_service_running", "psum_invariant_p", "pvary_p",
-    "reached_preemption_sync_point", "reduce_scatter_p", "refuse_array_likes_in",
-    "register_array_like", "set_cpu_device_count", "shard_map", "start_coordination_service",
+    "reached_preemption_sync_point", "reduce_scatter_p", "register_array_like", "set_cpu_device_count", "shard_map",
+    "start_coordination_service",
     "trace_state_clean",
 ]

@@ -9,7 +9,8 @@ has succeeded, so a step that fails changes nothing.
 
 A variable the step reaches by closure is not an input of the program being traced. The frame
 then *discovers* it: it hands out a placeholder so tracing can go on, and the program is traced
-again with the discovered variables as inputs (once; later calls pass them directly).
+again with the discovered variables as inputs (once; later calls pass them directly). The
+discovery leaves ``jax.jit`` as ``PlanMiss``, the one signal a step's call plan takes from it.
 """
 
 from __future__ import annotations
@@ -24,13 +25,25 @@ from jaxmirror.core import _compat
 _local = threading.local()
 
 
-class Discovered(Exception):
-    """Raised out of the trace (and of ``jax.jit``) when it met variables the program does not
-    take as inputs yet; ``run`` adds them and traces again."""
+class PlanMiss(Exception):
+    """The one signal out of a step's ``jax.jit`` call: these arguments need another call plan.
 
-    def __init__(self, variables: tuple):
-        super().__init__(f"{len(variables)} variable(s) captured by closure")
+    Only JAX's own call can find some things out, and only an exception leaves it: a variable
+    where the plan had an array (JAX abstracts it: see ``_compat.array_like_guard``), variables
+    the trace reached by closure (``Frame``), NNX objects among the arguments (the trace sees
+    them taken apart as pytrees). ``Program`` catches it in one place, plans again on its slow
+    path (``step/call_plan.py``) and calls again; nothing ran.
+
+    Args:
+        variables: variables the trace met that the program does not take as inputs yet.
+        graphs: whether NNX objects were among the arguments.
+    """
+
+    def __init__(self, variables: tuple = (), graphs: bool = False):
+        super().__init__(f"the step's call plan missed: {len(variables)} variable(s) captured "
+                         f"by closure" + (", NNX objects among the arguments" if graphs else ""))
         self.variables = variables
+        self.graphs = graphs
 
 
 class Slot:
@@ -99,7 +112,7 @@ class Frame:
         slot = self.slots.get(id(var))
         if slot is not None:
             if self.discovered and any(var is d for d in self.discovered) and self._nested():
-                raise Discovered(tuple(self.discovered))
+                raise PlanMiss(tuple(self.discovered))
             slot.used = True
             return slot
         if self.adopt is not None:  # inside update's fn every variable is a component
@@ -113,7 +126,7 @@ class Frame:
         if self._nested():
             # A nested jax.jit (or scan/cond body) may cache its trace: it must never see the
             # placeholder. Stop here; the retrace passes the variable in.
-            raise Discovered(tuple(self.discovered))
+            raise PlanMiss(tuple(self.discovered))
         # A placeholder of the right per-replica shape lets the trace finish; it is thrown away.
         placeholder = jnp.zeros(var.shape, var.dtype)
         return self.bind(var, placeholder, mirrored=not var.stored_per_replica)

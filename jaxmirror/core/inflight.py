@@ -67,6 +67,26 @@ def tracked(placement, outputs):
     return outputs
 
 
+def queued() -> tuple:
+    """The arrays tracked now, oldest first: one per step in flight (for tests and diagnostics).
+
+    Returns:
+        A tuple of at most ``MAX_IN_FLIGHT`` arrays.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> drain()
+        >>> x = jnp.ones(2)
+        >>> track_array(x)
+        >>> queued() == (x,)
+        True
+        >>> drain()
+        >>> queued()
+        ()
+    """
+    return tuple(_queue)
+
+
 def drain() -> None:
     """Wait for every tracked step (tests and benchmarks start from an empty queue)."""
     while _queue:

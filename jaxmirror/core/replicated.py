@@ -1,7 +1,7 @@
 """``mark_replicated``: tell ``run``'s replication analysis a value is the same on every replica.
 
-The analysis (``step/replication.py``) sees collectives one at a time: a reduce-scatter within
-groups, or a collective-permute, makes values vary. A hierarchical or one-device all-reduce
+The analysis (``step/analysis/replication.py``) sees collectives one at a time: a reduce-scatter
+within groups, or a collective-permute, makes values vary. A hierarchical or one-device all-reduce
 composes such collectives into a result that is the same everywhere, which only its author
 knows. ``mark_replicated`` is an identity primitive (it compiles to nothing) that records it.
 Differentiated, such a sum's transpose (the same composition, transposed) ends replicated too:

@@ -291,7 +291,7 @@ def attach_sum(value: PerReplica, owner, total) -> None:
     """Record the cross-replica sum of ``value`` that its step computed along with it.
 
     A step's program sums its small per-replica results in the same dispatch
-    (``step/step_sums.py``); ``reduce`` then answers from here instead of running a program of
+    (``step/cross_replica.py``); ``reduce`` then answers from here instead of running a program of
     its own. The sum is kept off the pytree (a ``jax.tree.map`` over ``value`` makes a value
     without it), out of pickles and copies, and names its strategy only weakly.
 

@@ -1,5 +1,10 @@
 """``jaxmirror.experimental``: the names TF keeps under ``tf.distribute.experimental``.
 
+Modules:
+    ``coordinator``: ``jaxmirror.experimental.coordinator`` (``ClusterCoordinator``, ...).
+    ``partitioners``: ``jaxmirror.experimental.partitioners``: TF's variable partitioners.
+    ``failure_handling``: ``PreemptionCheckpointHandler`` and ``TerminationConfig``.
+
 Example:
     >>> import jaxmirror
     >>> jaxmirror.experimental.ValueContext(0, 2).num_replicas_in_sync
@@ -14,8 +19,8 @@ from jaxmirror.data.distribute_values import ValueContext
 from jaxmirror.data.files import FileDataset
 from jaxmirror.data.options import AutoShardPolicy
 from jaxmirror.experimental.failure_handling import PreemptionCheckpointHandler, TerminationConfig
-from jaxmirror.step.divergence import ReplicaDivergenceWarning, check_replicas
-from jaxmirror.step.padding_check import PaddedRowsWarning
+from jaxmirror.step.analysis.divergence import ReplicaDivergenceWarning, check_replicas
+from jaxmirror.step.analysis.padding_check import PaddedRowsWarning
 from jaxmirror.strategies.central_storage import CentralStorageStrategy
 from jaxmirror.strategies.multi_worker import MultiWorkerMirroredStrategy
 from jaxmirror.strategies.parameter_server import ParameterServerStrategy

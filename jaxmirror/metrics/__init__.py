@@ -1,21 +1,20 @@
 """Keras metrics (``tf.keras.metrics``) on sync-on-read variables, exact on padded batches.
 
-A metric made in a strategy's scope keeps its running totals in sync-on-read variables
-(``SyncOnReadVariable``, SUM): inside ``strategy.run`` each replica adds its examples to its
-own component (``metric.update_state(labels, predictions)``, the metric captured by closure as
-in TF's custom training loop), and ``metric.result()`` outside the step sums the components. Batches
-from ``experimental_distribute_dataset`` are padded to one static size per replica (uneven
-splits, a partial last batch); the metrics leave the padded rows out, so their results equal
-those computed on one device over exactly the real examples. ``update_state`` also works
-eagerly on arrays, outside any step; ``reset_state()`` zeroes the state between epochs.
+A metric made in a strategy's scope keeps its totals in sync-on-read variables (SUM). Inside
+``strategy.run`` each replica adds its examples to its own component (the metric captured by
+closure, as in TF's custom training loop), and ``metric.result()`` outside the step sums the
+components. The padded rows of a distributed dataset's batches are left out, so a result equals
+one device's over exactly the real examples. ``update_state`` also works eagerly, outside any
+step, and ``reset_state()`` zeroes the state between epochs.
 
-* ``base``: ``Metric``, the base class (``add_weight``, ``reset_state``, ``__call__``);
-* ``reduction``: ``Sum``, ``Mean``, ``MeanMetricWrapper``;
-* ``accuracy``: ``Accuracy``, ``BinaryAccuracy``, ``CategoricalAccuracy``,
-  ``SparseCategoricalAccuracy``;
-* ``probabilistic``: ``SparseCategoricalCrossentropy``; ``regression``: ``MeanSquaredError``;
-* ``inputs``: argument checks, sample weights and the padded-row mask; ``accumulation``: how
-  the state is added to, read and zeroed in each context.
+Modules:
+    ``base``: ``Metric``: the base class (``add_weight``, ``reset_state``, ``__call__``).
+    ``inputs``: argument checks, sample weights and the padded-row mask.
+    ``accumulation``: how the state is added to, read and zeroed in each context.
+    ``reduction``: ``Sum``, ``Mean`` and ``MeanMetricWrapper``.
+    ``accuracy``: the accuracy metrics (``Accuracy``, ``SparseCategoricalAccuracy``, ...).
+    ``probabilistic``: ``SparseCategoricalCrossentropy``.
+    ``regression``: ``MeanSquaredError``.
 
 Example:
     >>> import jax.numpy as jnp, numpy as np, jaxmirror

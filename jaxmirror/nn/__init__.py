@@ -1,9 +1,9 @@
 """Layers whose statistics span the replicas' real rows: flax NNX here, flax Linen in ``linen``.
 
-* ``batch_norm``: ``SyncBatchNorm``, a ``flax.nnx.BatchNorm`` whose batch statistics are those
-  of the real rows of the whole global batch inside ``strategy.run``;
-* ``linen``: the same layer as a ``flax.linen.BatchNorm``;
-* ``statistics``: the masked, all-reduced mean and variance both share.
+Modules:
+    ``batch_norm``: ``SyncBatchNorm``: flax NNX's ``BatchNorm`` over the global batch's real rows.
+    ``linen``: the same layer as a ``flax.linen.BatchNorm``.
+    ``statistics``: the masked, all-reduced mean and variance both layers share.
 
 Example:
     >>> import jax.numpy as jnp

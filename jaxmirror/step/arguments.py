@@ -1,27 +1,39 @@
-"""What a step's arguments may be, and the errors that say which argument is not.
+"""A step's arguments: what they may be, deleted and donated arrays, placing them on the devices.
 
-``jax.jit`` refuses a string or an object array with "Error interpreting argument to <bound
-method ...> as an abstract array", which names neither the argument nor what to pass instead,
-and it takes a ragged nested list of Python numbers (``[[1, 2], [3]]``) as a pytree of scalars,
-so a batch meant as an array silently becomes a nest of scalars. ``check_arguments`` names the
-argument by its path (``args[1]['x'][2]``, ``kwargs['lr']``), says what it is and what is
-accepted.
+What they may be: ``jax.jit`` refuses a string with an error that names no argument, and takes
+a ragged nested list (``[[1, 2], [3]]``) as a pytree of scalars. ``check_arguments`` names the
+bad argument by its path (``args[1]['x'][2]``, ``kwargs['lr']``) and says what is accepted. It
+runs only when ``jax.jit`` refused a call and once per new input signature, not per call.
 
-It is not on the hot path: ``Program`` calls it when ``jax.jit`` refused a call's arguments and
-once per new input signature, while ``jax.jit`` traces. It visits every node once (linear in the
-size of the arguments), and at trace time it sees tracers: a Python number has become a weakly
-typed scalar, which it still counts as a number, so both calls agree on what is ragged.
+Deleted and donated arrays: JAX 0.10 crashes the process (a notebook's kernel dies) when a
+donated array reaches a program over several devices on ``jax.jit``'s fast path, but raises an
+error for an array deleted with ``.delete()``. So a step that donates deletes the arrays JAX
+took after each call (``forget_donated``), and a failed call names a deleted argument
+(``check_alive``). A step that donates nothing does no work per leaf. An array donated by the
+user's own ``jax.jit`` is not seen here.
+
+Placing: ``run`` takes Mirrored values as arrays replicated over the strategy's devices; arrays
+made elsewhere would be refused or compile twice. ``replicate`` places a tree once,
+``build_replicated`` builds it on the devices, and ``mirror_misplaced`` is what ``run`` does,
+as TF does, with arrays given on other devices.
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jaxmirror.core import _compat
 from jaxmirror.core.stateful import Stateful, is_opaque
-from jaxmirror.core.values import is_distributed, is_per_replica
+from jaxmirror.core.values import PerReplica, is_distributed, is_per_replica
+from jaxmirror.step.graphs import is_graph_node
 from jaxmirror.variables.state import state_of
+
 
 ACCEPTED = ("Accepted are arrays (jax.Array, numpy) of a numeric or bool dtype, Python numbers, "
             "jaxmirror distributed values and variables, and nests (tuples, lists, dicts, "
@@ -247,11 +259,6 @@ def check_arguments(args, kwargs, api: str) -> None:
                 f"{api}: argument {_where(root, keys)} is {describe_leaf(leaf)}, which a step "
                 f"cannot take; {problem}. {ACCEPTED}."
             ) from None
-
-
-__all__ = ["ACCEPTED", "check_arguments", "describe_leaf"]
-
-
 def has_variables(args, kwargs) -> bool:
     """Whether the arguments hold variables (``Stateful`` leaves)."""
     return any(isinstance(x, Stateful)
@@ -323,3 +330,286 @@ def check_not_donating(what: str, args, donate_argnums: tuple, api: str) -> None
     i = _donated_argument_holding(args, donate_argnums, predicate)
     if i is not None:
         raise ValueError(f"{api}: `donate_argnums` includes argument {i}, {why}; {instead}.")
+
+
+# Deleted and donated arrays among the arguments.
+
+
+class DeletedArrayError(ValueError):
+    """An argument holds an array an earlier call donated, or one deleted by hand."""
+
+
+def _deleted(x) -> bool:
+    """Whether ``x`` is a deleted (or donated) array; False for anything else (tracers too)."""
+    is_deleted = getattr(x, "is_deleted", None)
+    return is_deleted is not None and not _compat.is_tracer(x) and is_deleted()
+
+
+def donated_arrays(args, kwargs, donate_argnums: tuple, api: str) -> list:
+    """The arrays a donating call is about to donate; refuses one also given elsewhere in the
+    call (JAX 0.10 crashes the process on a buffer donated and read in one call).
+
+    Args:
+        args: the call's positional arguments.
+        kwargs: its keyword arguments (a dict, or None).
+        donate_argnums: the positions it donates.
+        api: the step's name, which starts the message.
+
+    Returns:
+        The donated arguments' array leaves, for ``forget_donated`` after the call.
+
+    Raises:
+        ValueError: naming both places of an array given twice.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> w = jnp.ones(2)
+        >>> len(donated_arrays(({"w": w}, jnp.ones(2)), {}, (0,), "step"))
+        1
+        >>> donated_arrays(({"w": w}, w), {}, (0,), "step")
+        Traceback (most recent call last):
+        ...
+        ValueError: step: args[0]['w'] and args[1] are the same array, and argument 0 is donated; ...
+    """
+    donated = [x for i in donate_argnums if i < len(args)
+               for x in jax.tree.leaves(args[i]) if isinstance(x, jax.Array)]
+    ids = set(map(id, donated))
+    if len(ids) == len(donated):
+        others = [x for i, a in enumerate(args) if i not in donate_argnums
+                  for x in jax.tree.leaves(a)] + jax.tree.leaves(dict(kwargs or {}))
+        if not any(id(x) in ids for x in others):
+            return donated
+    _refuse_twice(args, kwargs, donate_argnums, api)
+
+
+def _refuse_twice(args, kwargs, donate_argnums: tuple, api: str) -> None:
+    pairs = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs or {})))[0]
+    first = {}
+    for path, x in pairs:
+        if not isinstance(x, jax.Array):
+            continue
+        where = _argument_at(path, 0)[1]
+        if id(x) in first:
+            raise ValueError(
+                f"{api}: {first[id(x)]} and {where} are the same array, and argument"
+                f"{'s' if len(donate_argnums) > 1 else ''} "
+                f"{', '.join(map(str, donate_argnums))} {'are' if len(donate_argnums) > 1 else 'is'} "
+                f"donated; JAX cannot donate a buffer that the same call also reads (it would "
+                f"crash the process); pass a copy for one of them, e.g. "
+                f"`ema = jax.tree.map(jnp.copy, params)`.")
+        first[id(x)] = where
+
+
+def forget_donated(donated: list) -> None:
+    """Delete the arrays a donating call took, so that a later call raises instead of crashing.
+
+    Only arrays JAX already marks deleted (their buffers were donated) are deleted: an array
+    JAX did not donate (no output of its shape) stays usable.
+
+    Args:
+        donated: the arrays the call donated (``donated_arrays``), after it returned.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x, y = jnp.ones(2), jnp.ones(2)
+        >>> x.delete()
+        >>> forget_donated([x, y]); y.is_deleted()
+        False
+    """
+    if not _compat.trace_state_clean():  # inside an outer jax.jit: nothing was donated
+        return
+    for x in donated:
+        if not _compat.is_tracer(x) and x.is_deleted():
+            x.delete()
+
+
+def check_alive(args, kwargs, api: str, first: int = 0) -> None:
+    """Refuse arguments holding a deleted array, naming the first by its path.
+
+    Called when a step's call failed (not before every call): it walks the arguments once.
+
+    Args:
+        args: the step's positional arguments.
+        kwargs: its keyword arguments (a dict, or None).
+        api: the step's name, which starts the message.
+        first: the position the user's call gives ``args[0]`` (a fused step's program takes
+            its iterator's elements first).
+
+    Raises:
+        DeletedArrayError (a ``ValueError``): naming the argument and the deleted array's path.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> w = jnp.ones(2)
+        >>> check_alive(({"w": w},), {}, "step")  # alive: nothing happens
+        >>> w.delete()
+        >>> check_alive(({"b": jnp.ones(2), "w": w},), {}, "step")
+        Traceback (most recent call last):
+        ...
+        jaxmirror.step.arguments.DeletedArrayError: step: argument 0 holds arrays an earlier call donated or deleted: args[0]['w'] is deleted; ...
+    """
+    pairs = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs or {})),
+                                                 is_leaf=is_distributed)[0]
+    for path, x in pairs:
+        if any(map(_deleted, jax.tree.leaves(x))):  # a distributed value's arrays too
+            which, where = _argument_at(path, first)
+            raise DeletedArrayError(
+                f"{api}: argument {which} holds arrays an earlier call donated or deleted: "
+                f"{where} is deleted; pass that call's results instead, e.g. `params, "
+                f"opt_state, loss = step(params, opt_state, batch)` (in a notebook: re-run "
+                f"the cell that made them, not only the one that calls the step).") from None
+
+
+def _argument_at(path, first: int) -> tuple:
+    """``(argument, path as the caller wrote it)`` of a leaf of ``(args, kwargs)``."""
+    head, rest = path[1], path[2:]
+    if path[0].idx == 0:
+        return head.idx + first, f"args[{head.idx + first}]" + jax.tree_util.keystr(rest)
+    return repr(head.key), "kwargs" + jax.tree_util.keystr(path[1:])
+
+
+# Placing user trees on the strategy's devices.
+
+
+def _misplaced(x, placement) -> bool:
+    # Uncommitted arrays (made without a device) go wherever jax.jit puts them.
+    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed
+            and x.sharding.device_set != placement.device_set)
+
+
+def replicate(placement, tree):
+    """``tree`` with every array replicated over the strategy's devices.
+
+    NNX objects in it are updated in place (their ``nnx.Variable``s get the placed arrays) and
+    returned; other arrays are returned placed; distributed values are left as they are. The
+    placed arrays never share a buffer with the given ones, so donating them to a step leaves
+    the caller's arrays alive.
+
+    Args:
+        placement: the strategy's ``Placement``.
+        tree: a pytree of arrays and NNX objects.
+
+    Returns:
+        The same structure, placed.
+    """
+    def place(x):
+        if is_graph_node(x):
+            nnx.update(x, placement.store(nnx.state(x), owned=True))
+            return x
+        if isinstance(x, jax.Array) or (hasattr(x, "__array__") and not is_distributed(x)):
+            return placement.store(x, owned=True)
+        return x
+
+    return jax.tree.map(place, tree, is_leaf=lambda x: is_graph_node(x) or is_distributed(x))
+
+
+def build_replicated(placement, fn, args, kwargs):
+    """``fn(*args, **kwargs)`` computed by one program whose outputs are replicated over the
+    strategy's devices (NNX objects it returns come back built on them).
+
+    Args:
+        placement: the strategy's ``Placement``.
+        fn: builds the tree (a model, an optimizer, their state).
+        args: positional arguments of ``fn`` (arrays or static Python values).
+        kwargs: keyword arguments of ``fn``.
+
+    Returns:
+        What ``fn`` returns, placed.
+    """
+    built = {}
+
+    def pure():
+        out = fn(*args, **kwargs)
+        leaves, tree = jax.tree.flatten(out, is_leaf=is_graph_node)
+        positions = tuple(i for i, x in enumerate(leaves) if is_graph_node(x))
+        graphdef, state = nnx.split([leaves[i] for i in positions])
+        built.update(tree=tree, positions=positions, graphdef=graphdef, n=len(leaves))
+        return state, [x for i, x in enumerate(leaves) if i not in positions]
+
+    state, others = jax.jit(pure, out_shardings=placement.storage_sharding)()
+    nodes = dict(zip(built["positions"], nnx.merge(built["graphdef"], state)))
+    rest = iter(others)
+    leaves = [nodes[i] if i in nodes else next(rest) for i in range(built["n"])]
+    return jax.tree.unflatten(built["tree"], leaves)
+
+
+def mirror_misplaced(placement, args, kwargs, donate_argnums: tuple = ()):
+    """The arguments with arrays on other devices than the strategy's replicated over them.
+
+    A copy that a step donates is made in new buffers: ``jax.device_put`` would reuse the
+    buffer the array already has on one of the strategy's devices, and donating the copy would
+    delete the caller's array too.
+
+    Args:
+        placement: the strategy's ``Placement``.
+        args: a step's positional arguments.
+        kwargs: its keyword arguments.
+        donate_argnums: the positions of ``args`` the step donates.
+
+    Returns:
+        ``(args, kwargs, names)``: ``names`` lists the arguments moved (empty: nothing was).
+
+    Raises:
+        ValueError: for a ``PerReplica`` of another strategy (its components elsewhere).
+    """
+    pairs, tree = jax.tree_util.tree_flatten_with_path((args, kwargs), is_leaf=is_distributed)
+    names, leaves = [], []
+    for path, x in pairs:
+        if isinstance(x, PerReplica):
+            _check_components(x, placement, _argument(path))
+        elif _misplaced(x, placement):
+            names.append(_argument(path))
+            donated = path[0].idx == 0 and path[1].idx in donate_argnums
+            x = placement.replicate(jnp.copy(x) if donated else x)
+        leaves.append(x)
+    args, kwargs = jax.tree.unflatten(tree, leaves)
+    return args, kwargs, names
+
+
+def _check_components(x, placement, name: str) -> None:
+    stacked = x.stacked
+    if isinstance(stacked, jax.core.Tracer) or not isinstance(stacked, jax.Array):
+        return
+    if (stacked.shape[0] != placement.num_replicas
+            or stacked.sharding.device_set != placement.device_set):
+        raise ValueError(
+            f"run: {name} is a PerReplica with {stacked.shape[0]} components on "
+            f"{sorted(d.id for d in stacked.sharding.device_set)}, but this strategy has "
+            f"{placement.num_replicas} replicas on devices "
+            f"{sorted(d.id for d in placement.device_set)}: a value of another strategy; make "
+            f"it with this strategy (its experimental_distribute_dataset or "
+            f"experimental_distribute_values_from_function), or reduce it there first."
+        )
+
+
+def _argument(path) -> str:
+    head, rest = path[0], path[1:]
+    return ("args" if head.idx == 0 else "kwargs") + jax.tree_util.keystr(rest)
+
+
+# The steps that said so already: once per step.
+_WARNED = weakref.WeakSet()
+
+
+def warn_mirrored_once(step, names: list) -> None:
+    """Say once per ``step`` that its calls mirror arrays placed on other devices.
+
+    Args:
+        step: the program whose call got them (its ``__name__`` names it).
+        names: the arguments moved, as ``mirror_misplaced`` named them.
+    """
+    if step in _WARNED:
+        return
+    _WARNED.add(step)
+    warnings.warn(
+        f"run: `{step.__name__}` got {', '.join(names[:3])}"
+        f"{' and more' if len(names) > 3 else ''} on devices other than the "
+        f"strategy's; they were mirrored onto its devices, as TF does, at the cost of a "
+        f"copy per call that gets them; place them once with "
+        f"strategy.experimental_replicate(tree), build them with strategy.init(fn), or "
+        f"pass the step's own outputs back in.", stacklevel=4)
+
+
+__all__ = ["ACCEPTED", "DeletedArrayError", "build_replicated", "check_alive", "check_arguments",
+           "describe_leaf", "donated_arrays", "forget_donated", "mirror_misplaced", "replicate",
+           "warn_mirrored_once"]

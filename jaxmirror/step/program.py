@@ -1,46 +1,41 @@
-"""The compiled form of a step function: one ``jax.jit(shard_map(...))`` program per strategy.
+"""A step function's program: ``Program``, the strategy's cache of them, and ``Step``.
 
-``Program`` is what ``strategy.run``, ``@strategy.run`` and ``strategy.function`` share. Its
-``__call__`` is the hot path: a context check, ``jax.jit``'s own C++ cache lookup and dispatch,
-and (on CPU) one append to the in-flight queue. All the Python work happens once per input
-signature, while ``jax.jit`` traces ``_trace``: it traces the user's function once on
-per-replica values (``trace.trace_replica``), decides which outputs are replicated, and emits
-that jaxpr for the inputs' real placement (``trace.emit``). The variables' new arrays come back
-as extra outputs and are stored open (``variables.state.write_open``): committed once the step
-is known to have succeeded, rolled back if it failed. A step with variables reads, dispatches
-and stores under ``variables.state.lock``. ``Step`` is what users hold: it keeps the function
-alive, the program does not (``program_cache``).
+``Program`` is what ``strategy.run``, ``@strategy.run`` and ``strategy.function`` share. A call
+is a short pipeline: the call plan for this kind of arguments (``call_plan``: plain arrays,
+variables by closure or as arguments, NNX objects), the jitted call (``compiled``), the
+variables' writes stored open, the in-flight tracking. The plan is chosen on the slow path only
+(the first call, and when JAX's call meets what the plan does not cover); the fast path is the
+plan's one jitted call, dispatched by ``jax.jit``'s C++ cache, with no Python walk over the
+arguments.
 
-Variables reached by closure are found by the first trace and passed in from then on; variables
-passed as arguments are swapped for their arrays. The user's function is traced once per
-per-replica signature.
+``ProgramCache`` keeps each function's programs exactly as long as the function lives:
+``strategy.run(fn, args)`` must find ``fn``'s program again on every call, but must not keep
+``fn`` alive, nor what it reaches (its variables, their strategy, arrays in its closure), once
+the user let go of it (re-running a notebook cell makes new functions every time, and each
+compiled program costs native memory). Programs are found through weak references: a
+function's programs go when the function goes, a bound method's when its object goes.
+Callables that cannot be weakly referenced are kept, with their programs, in a small LRU.
+``cache_of(strategy)`` finds a strategy's cache (for tests and diagnostics).
+
+``Step`` is what ``@strategy.run`` and ``strategy.function`` return: it keeps the function
+alive. ``RunOptions`` are ``run``'s options; ``check_can_run`` says where ``run`` may be
+called; ``StaticBinding`` names the variables a call binds without keeping them alive.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import dataclasses
+import inspect
 import types
-import warnings
 import weakref
 
-import jax
-import jax.numpy as jnp
-
-from jaxmirror.core import _compat, binding, inflight
-from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
-from jaxmirror.runtime import ledger, watch
-from jaxmirror.step import captured_graphs, graphs, placing
-from jaxmirror.step.arguments import (check_arguments, check_not_donating, has_variables,
-                                      take_variables)
-from jaxmirror.step.call_rules import check_can_run, wants_arguments
-from jaxmirror.step.deleted import check_alive, donated_arrays, forget_donated
-from jaxmirror.step.step_sums import (attach_sums, reducible_in_step, reductions_in_step,
-                                      sum_paths)
-from jaxmirror.step.static_binding import StaticBinding
-from jaxmirror.step.trace import (Traced, emit, fingerprint, local_key, run_op_by_op,
-                                  trace_replica)
-from jaxmirror.variables import state
-from jaxmirror.variables.creation import created_in
+from jaxmirror.core import context
+from jaxmirror.core.binding import PlanMiss
+from jaxmirror.runtime import watch
+from jaxmirror.step import call_plan, graphs
+from jaxmirror.step.arguments import take_variables
+from jaxmirror.step.compiled import Compiled
 from jaxmirror.variables.state import state_of
 
 
@@ -56,54 +51,86 @@ class Program:
         fn: the step function, written for one replica.
         donate_argnums: positional arguments whose buffers the outputs may reuse.
         weak: hold ``fn`` by a weak reference (False for callables that cannot be).
+        counts_into: the program whose ``trace_count``/``compile_count`` this one's traces add
+            to (an NNX step's inner program counts into the user's); itself by default.
+        sum_first_output_only: the outputs are ``(user's results, NNX state)``: only the
+            first are summed in the step for ``strategy.reduce``.
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> double = Program(s, lambda x: 2 * x, weak=False)
+        >>> float(double(3.0)), double.trace_count
+        (6.0, 1)
     """
 
-    def __init__(self, strategy, fn, donate_argnums=(), weak=True):
+    def __init__(self, strategy, fn, donate_argnums=(), weak=True, counts_into=None,
+                 sum_first_output_only=False):
         self._strategy = strategy
         if not weak:
-            self._fn_ref = lambda: fn
+            fn_ref = lambda: fn  # noqa: E731
         elif isinstance(fn, types.MethodType):
-            self._fn_ref = weakref.WeakMethod(fn)
+            fn_ref = weakref.WeakMethod(fn)
         else:
-            self._fn_ref = weakref.ref(fn)
+            fn_ref = weakref.ref(fn)
+        self._fn_ref = fn_ref
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.wants_arguments = wants_arguments(fn)  # see Strategy.run
         self.trace_count = 0  # how often the user's function was traced
         self.compile_count = 0  # how often jax.jit traced (and so compiled) this program
-        self._traced = {}  # per-replica input signature -> Traced
-        self._handle_path = ()  # getters from the output to its smallest array (last trace)
-        self._track = strategy.extended.placement.bound_in_flight
-        # Across processes: each compile's first run is agreed with the other workers.
-        self._watch = strategy.extended.placement.multi_process
-        self._single = strategy.extended.placement.num_replicas == 1  # often done at return
-        self._central = strategy.extended.placement.central  # see _central_call
-        # Small per-replica results are summed in the program too, for strategy.reduce.
-        self._reductions = None if self._single else (
-            reducible_in_step, functools.partial(reductions_in_step, strategy))
-        self._owner = weakref.ref(strategy.extended)  # whose sums they are (reduce checks)
-        self._sum_first_only = False  # an NNX step's program: not the objects' new state
-        self._sum_paths = ()  # getters from the output to each summed result (last trace)
-        self._donate_argnums = tuple(donate_argnums)
-        # None, or how every call goes from now on: with variable or NNX-object arguments
-        self._mode = None
-        self._graph_programs = {}  # NNX arguments' (structure, positions, GraphDef) -> Program
-        self._counter = self  # whose trace_count/compile_count a trace adds to
-        self._warned_placement = False
-        self._effects = False  # the traced step has side effects (host callbacks)
+        self.donate_argnums = tuple(donate_argnums)
         # Wait for every call before NNX objects among the arguments take its new state (a
         # fused step sets it: a failed call must leave the objects as they were).
         self.waits_for_objects = False
         self._captured = ()  # variables the step reaches by closure, found while tracing
-        self._captured_key = None  # the binding of a call without variable arguments
         self._bindings = {}  # (positions, variables, captured) -> its StaticBinding
-        # jit arguments: (variable binding (static), captured variables' arrays, *args, **kwargs)
-        self._jitted = jax.jit(self._trace, static_argnums=0,
-                               donate_argnums=tuple(i + 2 for i in donate_argnums))
-        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self._plan = None  # how calls run (call_plan), chosen by the first call
+        self.compiled = Compiled(self, counts_into or self, sum_first_output_only)
 
     @property
     def fn(self):
         """The user's per-replica function (``None`` once nothing else holds it)."""
         return self._fn_ref()
+
+    @property
+    def fn_ref(self):
+        """A callable giving the user's function (a weak reference unless ``weak=False``)."""
+        return self._fn_ref
+
+    @property
+    def strategy(self):
+        """The strategy whose devices run the program."""
+        return self._strategy
+
+    @property
+    def plan(self):
+        """How calls run now (a ``call_plan`` object; ``None`` before the first call), for
+        tests and diagnostics."""
+        return self._plan
+
+    @property
+    def captured(self) -> tuple:
+        """The variables the step reaches by closure (found by its traces)."""
+        return self._captured
+
+    @property
+    def jitted(self):
+        """The ``jax.jit`` function, called as ``jitted(binding, captured values, *args,
+        **kwargs)`` (for benchmarks and tests)."""
+        return self.compiled.jitted
+
+    @property
+    def handle_path(self) -> tuple:
+        """Getters from an output to its smallest array (the last trace's)."""
+        return self.compiled.handle_path
+
+    def output_handle(self, out):
+        """One array of the output ``out`` that tells when the call finished."""
+        return self.compiled.handle(out)
+
+    def nested_programs(self) -> list:
+        """The inner programs of a step given NNX objects (one per graph structure)."""
+        return list(getattr(self._plan, "programs", {}).values())
 
     def __new__(cls, strategy, *args, **kwargs):
         if cls is Program and strategy.extended.placement.multi_process:
@@ -112,149 +139,42 @@ class Program:
 
     def __call__(self, *args, **kwargs):
         check_can_run(self._strategy)
-        mode = self._mode
-        if mode is not None:
-            return mode(self, args, kwargs)
-        donated = self._donate_argnums and donated_arrays(args, kwargs, self._donate_argnums,
-                                                          self.__name__)
-        captured = self._captured
-        try:
-            if captured:  # TF's usual style: variables by closure, nothing to flatten per call
-                if not _compat.trace_state_clean():
-                    raise self._transformed_error()
-                with state.lock:  # read, dispatch, write back: one update at a time
-                    state.poll()  # first: a step seen to have failed is rolled back
-                    state.check(captured)  # and a failure not reported yet is raised
-                    out, token, sums = self._dispatch(self._captured_key, captured, args,
-                                                      kwargs)
-            elif self._central:
-                out, token, _, sums = self._central_call(None, (), args, kwargs)
-            else:  # no variables, no writes
-                out, token, _, sums = self._jitted(None, (), *args, **kwargs)
-        except binding.Discovered as found:  # the step reads variables by closure
-            self._capture(found.variables)
-            return self(*args, **kwargs)
-        except graphs.GraphArguments:
-            self._mode = Program._call_with_graphs
-            return self._call_with_graphs(args, kwargs)
-        except (TypeError, ValueError) as err:  # jax.jit refuses Variable arguments, bad ones
-            check_arguments(args, kwargs, "run")  # a bad one: name it, in place of JAX's error
-            check_alive(args, kwargs, self.__name__)  # one device: JAX's ValueError for it
-            moved = self._mirrored_arguments(args, kwargs, err)
-            if moved is not None:
-                return self(*moved[0], **moved[1])
-            if not has_variables(args, kwargs):
-                raise
-            self._mode = Program._call_with_variable_args
-            return self._call_with_variable_args(args, kwargs)
-        except RuntimeError:  # JAX's own for a deleted array: name it (see step/deleted.py)
-            check_alive(args, kwargs, self.__name__)
-            raise
-        if donated:  # what JAX took is deleted: a later call raises, not crashes
-            forget_donated(donated)
-        return self._finish(out, token, sums)
-
-    def _call_with_variable_args(self, args, kwargs):
-        """A call whose arguments may hold variables: they go in as their arrays."""
-        donated = self._donate_argnums and donated_arrays(args, kwargs, self._donate_argnums,
-                                                          self.__name__)
-        captured = self._captured
-        try:
-            with state.lock:  # read, dispatch, write back: one update at a time
-                state.poll()  # first: a step seen to have failed is rolled back before the read
-                key, a, k = take_variables(args, kwargs, captured)
-                variables = key[1] + captured
-                state.check(variables)  # a failure not reported yet: raised, nothing run
-                bound = self._binding(key)
-                if variables and not _compat.trace_state_clean():
-                    raise self._transformed_error()
-                if key[1] and self._donate_argnums:
-                    check_not_donating("variables", args, self._donate_argnums, self.__name__)
-                out, token, sums = self._dispatch(bound, variables, a, k)
-        except binding.Discovered as found:
-            self._capture(found.variables)
-            return self._call_with_variable_args(args, kwargs)
-        except graphs.GraphArguments:
-            self._mode = Program._call_with_graphs
-            return self._call_with_graphs(args, kwargs)
-        except (TypeError, ValueError) as err:
-            check_arguments(args, kwargs, "run")  # a bad argument: name it, in place of JAX's
-            check_alive(args, kwargs, self.__name__)
-            moved = self._mirrored_arguments(args, kwargs, err)
-            if moved is None:
-                raise
-            return self._call_with_variable_args(*moved)
-        except RuntimeError:
-            check_alive(args, kwargs, self.__name__)
-            raise
-        if donated:
-            forget_donated(donated)
-        return self._finish(out, token, sums)
-
-    def _mirrored_arguments(self, args, kwargs, err):
-        """``(args, kwargs)`` with arrays on other devices mirrored (as TF does), or ``None``
-        when JAX's ``err`` was not about devices or none is; says once per step that each such
-        call pays a copy."""
-        args, kwargs, names = placing.mirror_misplaced(self._strategy.extended.placement,
-                                                       args, kwargs, self._donate_argnums)
-        if not names or "devices" not in str(err):  # the step's own error: not ours to retry
-            return None
-        if not self._warned_placement:
-            self._warned_placement = True
-            warnings.warn(
-                f"run: `{self.__name__}` got {', '.join(names[:3])}"
-                f"{' and more' if len(names) > 3 else ''} on devices other than the "
-                f"strategy's; they were mirrored onto its devices, as TF does, at the cost of a "
-                f"copy per call that gets them; place them once with "
-                f"strategy.experimental_replicate(tree), build them with strategy.init(fn), or "
-                f"pass the step's own outputs back in.", stacklevel=4)
-        return args, kwargs
-
-    def _call_with_graphs(self, args, kwargs):
-        """A call whose arguments hold NNX objects: split, run on their state, updated after."""
-        try:
-            key, nnx_state, nodes, others = graphs.split_arguments(
-                args, kwargs, self._strategy.extended.placement)
-            program = self._graph_programs.get(key)
-            if program is None:
-                step = functools.partial(_graph_step, self._fn_ref, key)
-                step.__name__ = self.__name__
-                step.user_function_ref = self._fn_ref  # whose closure captured_graphs checks
-                # Donating an NNX object donates its state: the object gets the new arrays.
-                donated = any(graphs.has_graph_nodes(args[i]) for i in self._donate_argnums
-                              if i < len(args))
-                program = Program(self._strategy, step, donate_argnums=(0,) if donated else (),
-                                  weak=False)
-                program._counter = self
-                program._sum_first_only = True
-                self._graph_programs[key] = program
-            out, new_state = program(nnx_state, others)
-        except (RuntimeError, ValueError):  # a deleted array: named as the caller passed it
-            check_alive(args, kwargs, self.__name__)
-            raise
-        graphs.update(nodes, new_state)  # while the program runs; undone if it fails
-        if program._effects or self.waits_for_objects:
-            # A host callback may fail at run time; the objects must not keep a failed step's
-            # arrays (they would raise on every later read), so wait for it here.
+        plan = self._plan
+        if plan is None:  # the first call: classify the arguments (call_plan.planned)
+            plan = self._plan = call_plan.planned(self, None, args, kwargs)
+        while True:
             try:
-                jax.block_until_ready((out, new_state))
-            except Exception:
-                graphs.update(nodes, nnx_state)  # as before the call, as nnx.jit leaves them
-                _compat.forget_failed_effect_tokens()  # reported here, not again at exit
-                raise
-        return out
+                return plan(args, kwargs)
+            except PlanMiss as miss:  # the one signal from inside jax.jit: plan again
+                plan = self._plan = call_plan.planned(self, plan, args, kwargs, miss)
+            except (TypeError, ValueError, RuntimeError) as err:  # JAX refused the arguments
+                args, kwargs = call_plan.repaired(self, args, kwargs, err)  # or raises
 
-    def _dispatch(self, bound, variables: tuple, args, kwargs):
-        """Under ``state.lock``: the jitted call on the captured variables' current arrays, its
-        writes to ``variables`` (passed ones first, then captured) stored open."""
-        states = tuple(map(state_of, self._captured))
-        if self._central:
-            out, token, writes, sums = self._central_call(bound, states, args, kwargs)
-        else:
-            out, token, writes, sums = self._jitted(bound, states, *args, **kwargs)
-        if writes:
-            state.write_open(variables, writes, out is not None, self._single)
-        return out, token, sums
+    def capture(self, variables: tuple) -> None:
+        """Take ``variables`` (reached by closure) as inputs of every call from now on."""
+        known = set(map(id, self._captured))  # another thread may have found them first
+        self._captured = self._captured + tuple(v for v in variables if id(v) not in known)
+        self._plan = None if not isinstance(self._plan, call_plan.GraphCall) else self._plan
+
+    def binding_of(self, key: tuple) -> StaticBinding:
+        """The one ``StaticBinding`` of ``key`` (static arguments are compared by identity).
+
+        Args:
+            key: ``(positions, variables, captured)`` as ``take_variables`` gives it.
+
+        Returns:
+            The binding ``jitted`` takes as its static argument.
+        """
+        found = self._bindings.get(key)
+        if found is None:
+            found = self._bindings[key] = StaticBinding(*key)
+        return found
+
+    def nested(self, step, donated: bool) -> "Program":
+        """The inner program of an NNX step (``call_plan.GraphCall``): it counts its traces
+        here and sums only the user's results; donating donates the objects' state."""
+        return Program(self._strategy, step, donate_argnums=(0,) if donated else (),
+                       weak=False, counts_into=self, sum_first_output_only=True)
 
     def lower(self, *args, **kwargs):
         """The program for these arguments, lowered and not run (``jax.stages.Lowered``).
@@ -264,159 +184,22 @@ class Program:
                 ``nnx.state`` instead).
         """
         check_can_run(self._strategy)
+        if graphs.has_graph_nodes((args, kwargs)):
+            raise TypeError(f"{self.__name__}.lower: NNX objects among the arguments; lower a "
+                            f"step that takes their nnx.state instead.")
         while True:
             key, a, k = take_variables(args, kwargs, self._captured)
-            bound = None if key == ((), (), ()) else self._binding(key)
-            states = tuple(map(state_of, self._captured))
-            if self._central:
-                states, a, k = self._strategy.extended.placement.to_compute((states, a, k))
+            bound = None if key == ((), (), ()) else self.binding_of(key)
+            values = tuple(map(state_of, self._captured))
+            if self.compiled.central:
+                values, a, k = self._strategy.extended.placement.to_compute((values, a, k))
             try:
-                return self._jitted.lower(bound, states, *a, **k)
-            except binding.Discovered as found:
-                self._capture(found.variables)
-            except graphs.GraphArguments:
-                raise TypeError(f"{self.__name__}.lower: NNX objects among the arguments; "
-                                f"lower a step that takes their nnx.state instead.") from None
-
-    def _central_call(self, bound, states, args, kwargs):
-        """Central storage: what the step reads from the parameter device is broadcast to the
-        replicas, and its mirrored results (new parameters, variables' values) go back there."""
-        placement = self._strategy.extended.placement
-        states, args, kwargs = placement.to_compute((states, args, kwargs))
-        out, token, writes, sums = self._jitted(bound, states, *args, **kwargs)
-        return placement.to_storage(out), token, placement.to_storage(writes), sums
-
-    def _finish(self, out, token, sums):
-        """The call was dispatched: it counts against the in-flight bound, and its small
-        per-replica results get the sums it computed with them (``step_sums``)."""
-        if self._track or self._watch:
-            handle = token if token is not None else self._handle(out)
-            if self._track:
-                inflight.track_array(handle)
-            if self._watch:
-                watch.dispatched(self.__name__, handle)
-        if sums:
-            attach_sums(out, sums, self._sum_paths, self._owner)
-        return out
-
-    def _capture(self, variables: tuple) -> None:
-        self._captured = self._captured + variables
-        self._captured_key = self._binding(((), (), self._captured))
-
-    def _binding(self, key: tuple) -> "StaticBinding":
-        """The one ``StaticBinding`` of ``key`` (static arguments are compared by identity)."""
-        binding_ = self._bindings.get(key)
-        if binding_ is None:
-            binding_ = self._bindings[key] = StaticBinding(*key)
-        return binding_
-
-    def _transformed_error(self) -> RuntimeError:
-        return RuntimeError(
-            f"{self.__name__}: a step that uses jaxmirror Variables cannot be called inside "
-            f"jax.jit, jax.grad or lax.scan (its assignments would be lost); call it directly, "
-            f"or pass arrays instead of variables.")
-
-    def _handle(self, out):
-        """One output array of this call, found without flattening ``out`` (on the hot path)."""
-        try:
-            for getter in self._handle_path:
-                out = getter(out)
-            return out.stacked if isinstance(out, PerReplica) else out
-        except Exception:  # another signature's output structure: fall back to flattening
-            leaves = jax.tree.leaves(out)
-            return leaves[-1] if leaves else None
+                return self.compiled.jitted.lower(bound, values, *a, **k)
+            except PlanMiss as miss:  # the trace met variables by closure: take them
+                self.capture(miss.variables)
 
     def __repr__(self) -> str:
         return f"<jaxmirror step {self.__name__} on {self._strategy!r}>"
-
-    # -- trace time only -------------------------------------------------------------------
-    def _trace(self, bound, captured_states, *args, **kwargs):
-        if self._watch:
-            watch.tracing(self.__name__)  # tracing and compiling: not waiting for the others
-        # Called with concrete arrays, not traced: jax_debug_nans/infs saw a NaN or inf in the
-        # outputs and calls the function un-jitted to find the operation that made it.
-        op_by_op = _compat.trace_state_clean()
-        check_arguments(args, kwargs, "run")  # once per signature: jax.jit takes ragged lists
-        if graphs.has_graph_nodes((args, kwargs)):  # jax.jit took them apart as pytrees
-            raise graphs.GraphArguments()
-        leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
-        n_args = len(leaves)
-        # Batches from a distributed dataset: their row counts go in as replicated operands
-        # after the captured variables' arrays, so a new partial batch is new data, not a new
-        # program.
-        padded = tuple(i for i, x in enumerate(leaves)
-                       if is_per_replica(x) and x.row_counts is not None)
-        if padded and self._donate_argnums:
-            check_not_donating("batches", args, self._donate_argnums, self.__name__)
-        counts = [leaves[i].row_counts for i in padded]
-        leaves += list(captured_states)
-        stacked = tuple(is_per_replica(x) for x in leaves) + (False,) * len(counts)
-        # Each replica sees a PerReplica's own component and a Mirrored's value.
-        flat = [x.stacked if s else (x.value if isinstance(x, Mirrored) else x)
-                for x, s in zip(leaves, stacked)] + counts
-        local = tuple(_compat.local_abstract_key(x, s) for x, s in zip(flat, stacked))
-        traced = self._traced_for(in_tree, n_args, local, bound, padded)
-        if op_by_op:
-            with jax.disable_jit():
-                run_op_by_op(traced, flat, stacked, self._strategy.extended.placement)
-            return None, None, {}, ()  # no NaN op by op: JAX raises its own error about that
-        self._handle_path = traced.handle_path
-        self._counter.compile_count += 1  # a trace that got here is compiled (not abandoned)
-        self._effects = self._effects or bool(traced.jaxpr.effects)
-        reductions = self._reductions
-        if reductions is not None and self._sum_first_only:  # (user's results, NNX state)
-            reductions += (traced.out_tree.children()[0].num_leaves,)
-        elif reductions is not None:
-            reductions += (None,)
-        outs, summed, sums = emit(traced, flat, stacked, self._strategy.extended.placement,
-                                  len(counts), reductions)
-        n_out = len(outs) - len(traced.written)
-        results, new_states = outs[:n_out], outs[n_out:]
-        self._sum_paths = sum_paths(traced.out_tree, n_out, summed)
-        # A step with no outputs still queues collectives: give the in-flight bound a handle.
-        token = None if results else jnp.zeros((), jnp.int32)
-        if self._watch:  # before its first run: every worker compiled the same program
-            ledger.agree(f"step `{self.__name__}`", fingerprint(traced))
-            watch.tracing(None)
-        return (jax.tree.unflatten(traced.out_tree, results), token,
-                dict(zip(traced.written, new_states)), tuple(sums))
-
-    def _traced_for(self, in_tree, n_args, local, bound, padded) -> Traced:
-        """The user's function traced for this per-replica signature (once per signature).
-
-        The user's function sees only per-replica values, so one trace serves every placement
-        of the inputs: host or replicated arrays, replicated or stacked (a variable whose
-        replicas diverged) ones. jax.jit retraces for those; the user's function does not.
-        """
-        key = (in_tree, local, bound, padded)
-        traced = self._traced.get(key)
-        if traced is None:
-            self._counter.trace_count += 1
-            resolved = None if bound is None else bound.resolve()
-            # The strategy's variables the step might reach by closure are bound in the same
-            # trace, so that finding which ones it uses costs no second run of its Python.
-            taken = set(map(id, resolved[1] + resolved[2])) if resolved else set()
-            candidates = tuple(v for v in created_in(self._strategy) if id(v) not in taken)
-            fn = self._fn_ref()
-            traced = trace_replica(self._strategy, fn, in_tree, n_args, local,
-                                   resolved, padded, candidates)
-            user = fn  # the user's own function, behind the wrappers of NNX and fused steps
-            while getattr(user, "user_function_ref", None) is not None:
-                user = user.user_function_ref()
-            captured_graphs.check_constants(user, traced.jaxpr, self.__name__)
-            cacheable = not any(_compat.is_tracer(c) for c in traced.jaxpr.consts)
-            if traced.adopted:  # the next call passes them: keep the trace for that call
-                positions, variables, captured = resolved or ((), (), ())
-                n_bound = n_args + len(captured)
-                local = (local[:n_bound] + tuple(map(local_key, traced.adopted))
-                         + local[n_bound:])
-                bound = self._binding((positions, variables, captured + traced.adopted))
-                if cacheable:
-                    self._traced[(in_tree, local, bound, padded)] = traced
-                raise binding.Discovered(traced.adopted)
-            if cacheable:
-                self._traced[key] = traced
-        return traced
 
 
 class _WatchedProgram(Program):
@@ -430,16 +213,308 @@ class _WatchedProgram(Program):
             watch.left()
 
 
-class _VariableArguments(TypeError):
-    """Raised by ``jax.jit`` in ``Program.__call__`` for variable arguments (see ``_compat``)."""
+# Programs of callables that cannot be weakly referenced: the most recently used are kept.
+MAX_STRONG = 256
+
+# Each strategy's cache, weakly both ways: the strategy holds its cache, not this table.
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# JAX takes variables as arrays elsewhere; a step must see them as variables, so its own jit
-# call refuses them and ``__call__`` passes their arrays instead (``_call_with_variable_args``).
-_compat.refuse_array_likes_in(Program.__call__.__code__, _VariableArguments,
-                              until=Program._trace.__code__)
+class ProgramCache:
+    """``fn``'s ``Program`` for each ``donate_argnums``, alive while ``fn`` (or its object) is.
+
+    Args:
+        strategy: the strategy the programs run on.
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> cache = ProgramCache(s)
+        >>> f = lambda x: x
+        >>> cache.get(f, ()) is cache.get(f, ()), len(cache)
+        (True, 1)
+        >>> del f
+        >>> len(cache)
+        0
+    """
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._weak: dict = {}  # id(owner) -> (weakref to owner, {subkey: Program})
+        self._strong: collections.OrderedDict = collections.OrderedDict()  # LRU
+        _CACHES[strategy] = weakref.ref(self)  # for ``of`` (a strong value would keep it alive)
+
+    def get(self, fn, donate_argnums: tuple) -> Program:
+        """The program of ``fn`` with ``donate_argnums``, made on first use.
+
+        Args:
+            fn: the per-replica function (any callable).
+            donate_argnums: a tuple of positional argument indices.
+
+        Returns:
+            The ``Program``.
+        """
+        if isinstance(fn, types.MethodType):
+            owner, subkey = fn.__self__, (fn.__func__, donate_argnums)
+        else:
+            owner, subkey = fn, donate_argnums
+        entry = self._weak.get(id(owner))
+        if entry is None or entry[0]() is not owner:
+            try:
+                ref = weakref.ref(owner, _forgetter(self._weak, id(owner)))
+            except TypeError:  # cannot be weakly referenced
+                return self._get_strong(fn, donate_argnums)
+            entry = self._weak[id(owner)] = (ref, {})
+        programs = entry[1]
+        program = programs.get(subkey)
+        if program is None:
+            program = programs[subkey] = Program(self._strategy, fn, donate_argnums)
+        return program
+
+    def _get_strong(self, fn, donate_argnums: tuple) -> Program:
+        key = (id(fn), donate_argnums)  # ``fn`` is kept with its program, so its id stays its own
+        hit = self._strong.get(key)
+        if hit is not None:
+            self._strong.move_to_end(key)  # in use: the last to be evicted
+            return hit[1]
+        program = Program(self._strategy, fn, donate_argnums, weak=False)
+        self._strong[key] = (fn, program)
+        if len(self._strong) > MAX_STRONG:
+            self._strong.popitem(last=False)
+        return program
+
+    def programs(self) -> list:
+        """Every program alive in the cache (for tests and diagnostics).
+
+        Returns:
+            A list of ``Program``s.
+        """
+        alive = [p for _, table in list(self._weak.values()) for p in table.values()]
+        return alive + [p for _, p in self._strong.values()]
+
+    def __len__(self) -> int:
+        return len(self.programs())
 
 
-def _graph_step(fn_ref, key, nnx_objects, others):
-    """A step given NNX objects (``graphs``); its parameter names name the arguments in warnings."""
-    return graphs.merged_call(fn_ref(), key, nnx_objects, others)
+def cache_of(strategy) -> ProgramCache | None:
+    """The ``ProgramCache`` of ``strategy`` (for tests and diagnostics).
+
+    Args:
+        strategy: a strategy.
+
+    Returns:
+        The cache its ``run`` takes programs from (the latest made for it), or ``None`` for
+        an object without one.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> step = lambda x: x + 1
+        >>> float(s.run(step, args=(jnp.float32(1),)))
+        2.0
+        >>> len(cache_of(s)), cache_of(s).get(step, ()).trace_count
+        (1, 1)
+    """
+    try:
+        ref = _CACHES.get(strategy)
+    except TypeError:  # not weakly referenceable: no strategy of ours
+        return None
+    return None if ref is None else ref()
+
+
+def _forgetter(table: dict, key: int):
+    """A weakref callback dropping ``table[key]`` when its owner dies (and holding no cache)."""
+    def forget(ref):
+        entry = table.get(key)
+        if entry is not None and entry[0] is ref:
+            del table[key]
+    return forget
+
+
+class Step:
+    """A step function compiled for every replica of a strategy; call it like the function.
+
+    What ``@strategy.run`` and ``strategy.function`` return. The step holds the function, and
+    the strategy keeps the compiled program for exactly as long as the function lives: a step
+    (or function) you let go of takes its compiled program with it.
+
+    Args:
+        program: the ``Program`` that runs it.
+        fn: the user's per-replica function.
+
+    Example:
+        >>> import jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> @s.function
+        ... def step(x):
+        ...     return x + 1
+        >>> float(step(1.0)), step.trace_count
+        (2.0, 1)
+    """
+
+    def __init__(self, program, fn):
+        self._program = program
+        self.__wrapped__ = fn
+        self.__name__ = program.__name__
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    def __call__(self, *args, **kwargs):
+        return self._program(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """The step's program for these arguments, lowered but not run, as ``jax.jit``'s.
+
+        ``.as_text()`` shows what the step emits, ``.compile().as_text()`` the collectives
+        XLA runs (e.g. to see a ``cross_device_ops`` choice).
+
+        Args:
+            *args: the step's arguments, as for a call.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            A ``jax.stages.Lowered``.
+
+        Example:
+            >>> import jaxmirror
+            >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+            >>> @s.function
+            ... def step(x):
+            ...     return jaxmirror.get_replica_context().all_reduce("sum", x)
+            >>> "all-reduce" in step.lower(1.0).compile().as_text()
+            True
+        """
+        return self._program.lower(*args, **kwargs)
+
+    @property
+    def program(self):
+        """The compiled program (shared with ``strategy.run(fn, args)``)."""
+        return self._program
+
+    @property
+    def fn(self):
+        """The user's per-replica function."""
+        return self.__wrapped__
+
+    @property
+    def trace_count(self) -> int:
+        """How often the user's function was traced."""
+        return self._program.trace_count
+
+    @property
+    def compile_count(self) -> int:
+        """How often a program was built for it (a new placement of the inputs builds one)."""
+        return self._program.compile_count
+
+    def __repr__(self) -> str:
+        return repr(self._program)
+
+
+class StaticBinding:
+    """The static jit argument naming the variables a call binds, without keeping them alive.
+
+    JAX's compilation caches are global and keep a jitted function's static arguments until the
+    function is collected; a tuple of variables there would keep the variables, their strategy,
+    its programs and so the jitted function itself alive for ever. A ``_Binding`` holds weak
+    references and compares by identity: ``Program._binding`` makes one per binding.
+    """
+
+    __slots__ = ("_positions", "_arguments", "_captured", "__weakref__")
+
+    def __init__(self, positions: tuple, variables: tuple, captured: tuple):
+        self._positions = positions
+        self._arguments = tuple(map(weakref.ref, variables))
+        self._captured = tuple(map(weakref.ref, captured))
+
+    def resolve(self) -> tuple:
+        """``(positions, variables, captured)`` as ``trace.trace_replica`` takes them."""
+        return (self._positions, tuple(r() for r in self._arguments),
+                tuple(r() for r in self._captured))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Options for ``Strategy.run`` (``tf.distribute.RunOptions``, with JAX's own knobs).
+
+    Args:
+        donate_argnums: positions of ``args`` whose buffers the step may reuse for its outputs
+            (``jax.jit``'s donation): pass the params' position so updated params are written in
+            place of the old ones. A donated argument must not be used after the call.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmirror
+        >>> s = jaxmirror.MirroredStrategy(["CPU:0", "CPU:1"])
+        >>> params = s.run(lambda: jnp.zeros(3))
+        >>> new = s.run(lambda p: p + 1, args=(params,),
+        ...             options=jaxmirror.RunOptions(donate_argnums=(0,)))
+        >>> new.tolist()
+        [1.0, 1.0, 1.0]
+    """
+
+    donate_argnums: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "donate_argnums",
+                           argnums(self.donate_argnums, "RunOptions", "donate_argnums"))
+
+
+def argnums(nums, where: str, name: str) -> tuple:
+    """Argument positions given as an int or a sequence of them, as a tuple.
+
+    Args:
+        nums: an int or a sequence of ints.
+        where: the API name, for the error.
+        name: the parameter's name, for the error.
+
+    Returns:
+        The positions as a tuple.
+
+    Raises:
+        ValueError: unless every position is a non-negative int.
+
+    Example:
+        >>> argnums(1, "RunOptions", "donate_argnums")
+        (1,)
+    """
+    positions = (nums,) if isinstance(nums, int) else tuple(nums)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions):
+        raise ValueError(f"{where}: `{name}` must be non-negative ints; got {nums!r}.")
+    return positions
+
+
+def wants_arguments(fn) -> bool:
+    """True when ``fn`` has a required positional parameter (then ``run(fn)`` decorates)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in params)
+
+
+def check_can_run(strategy) -> None:
+    """Refuse a ``run`` of ``strategy`` here, before any device work, as TF does.
+
+    ``run`` inside a step that ``run`` is tracing raises, and so does a strategy's ``run`` inside
+    another strategy's scope.
+
+    Args:
+        strategy: the strategy whose ``run`` is called.
+
+    Raises:
+        RuntimeError: in those two cases.
+    """
+    entry = context.current()
+    if entry.in_run:
+        where = ("; inside a merge_fn, run a function on every replica with "
+                 "`strategy.extended.call_for_each_replica(fn, args)`" if entry.merging else "")
+        raise RuntimeError(
+            "run: called inside a function that `run` is already running; call the inner "
+            "function directly, or, as TF says, \"Method requires being in cross-replica "
+            f"context, use get_replica_context().merge_call()\"{where}."
+        )
+    if entry.strategy is not strategy and entry.strategy is not context.default_strategy():
+        raise context.mixing_error(entry.strategy, strategy)
+
+
+__all__ = ["MAX_STRONG", "Program", "ProgramCache", "RunOptions", "StaticBinding", "Step", "argnums",
+           "cache_of", "check_can_run", "wants_arguments"]

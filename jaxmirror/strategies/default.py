@@ -11,7 +11,7 @@ import contextlib
 import jax
 
 from jaxmirror.core import context
-from jaxmirror.step.call_rules import check_can_run, wants_arguments
+from jaxmirror.step.program import check_can_run, wants_arguments
 from jaxmirror.step.replica_context import ReplicaContext
 from jaxmirror.strategies.extended import StrategyExtended
 from jaxmirror.strategies.strategy import Strategy

@@ -16,7 +16,7 @@ from jaxmirror.data.distribute_values import distribute_values_from_function
 from jaxmirror.data.files import FileDataset
 from jaxmirror.data.from_function import DistributedDatasetsFromFunction
 from jaxmirror.data.options import AutoShardPolicy, InputOptions, InputReplicationMode
-from jaxmirror.step import placing
+from jaxmirror.step.arguments import build_replicated, replicate
 
 
 def _file_sharded(strategy, dataset: FileDataset, options):
@@ -70,7 +70,7 @@ class InputMethods:
             >>> params["w"].sharding.is_fully_replicated, len(opt_state[0].count.devices())
             (True, 2)
         """
-        return placing.replicate(self.extended.placement, tree)
+        return replicate(self.extended.placement, tree)
 
     def init(self, fn, *args, **kwargs):
         """Build params, optimizer state or NNX objects directly Mirrored on every replica.
@@ -98,7 +98,7 @@ class InputMethods:
             >>> len(model.kernel[...].devices()), len(opt.step[...].devices())
             (2, 2)
         """
-        return placing.build_replicated(self.extended.placement, fn, args, kwargs)
+        return build_replicated(self.extended.placement, fn, args, kwargs)
 
     def experimental_distribute_values_from_function(self, value_fn):
         """Build a distributed value by calling ``value_fn`` once per local replica.

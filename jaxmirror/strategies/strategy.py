@@ -11,9 +11,9 @@ from jaxmirror.core import _compat, context, inflight, rich_display
 from jaxmirror.step import cross_replica
 from jaxmirror.step.program import Program
 from jaxmirror.step.fused import FusedStep
-from jaxmirror.step.step_function import Step
-from jaxmirror.step.program_cache import ProgramCache
-from jaxmirror.step.run_options import RunOptions
+from jaxmirror.step.program import Step
+from jaxmirror.step.program import ProgramCache
+from jaxmirror.step.program import RunOptions
 from jaxmirror.strategies.extended import StrategyExtended
 from jaxmirror.strategies.input_methods import InputMethods
 

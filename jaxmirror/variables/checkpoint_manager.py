@@ -11,6 +11,7 @@ others learn its decisions through the ledger (``runtime/ledger.py``).
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 
@@ -221,6 +222,20 @@ class CheckpointManager:
     def latest_checkpoint(self):
         """The path of the newest checkpoint, or ``None``."""
         return (self.checkpoints or [None])[-1]
+
+    @property
+    def state_record(self) -> dict:
+        """A copy of the state this manager keeps, as ``checkpoint_state.json`` records it: the
+        active and preserved checkpoints with their times (for tests and diagnostics; every
+        worker holds the chief's).
+
+        Example:
+            >>> import tempfile, jaxmirror
+            >>> m = jaxmirror.checkpoint.CheckpointManager({"n": 1}, tempfile.mkdtemp(), 1)
+            >>> m.state_record["checkpoints"], m.state_record["preserved"]
+            ([], [])
+        """
+        return copy.deepcopy(self._state)
 
     @property
     def save_counter(self) -> int:

@@ -4,8 +4,8 @@ A compiled step returns its variables' new arrays as soon as it is *dispatched*;
 *succeeds* (a ``jax.debug.callback`` can raise, a check can fail, XLA can fail at run time) is
 known only later. Storing the new arrays at once keeps dispatch asynchronous, but an array of a
 failed execution carries that failure forever. So a step's writes are stored *open*: each
-variable keeps the last array known good (``_committed``) until every step that wrote it is
-known to have succeeded. When a step is seen to have failed, each variable it wrote goes back to
+variable's ``VariableState`` keeps the last array known good (``committed``) until every step
+that wrote it is known to have succeeded; then it holds one copy again. When a step is seen to have failed, each variable it wrote goes back to
 that array, so a failed step changes nothing and every variable stays readable.
 
 Steps are seen finished without waiting where possible: before every step with variables
@@ -30,7 +30,6 @@ eager ``assign*``, ``extended.update``): threads that share variables lose no up
 from __future__ import annotations
 
 import collections
-import operator
 import threading
 
 from jaxmirror.core import _compat
@@ -44,13 +43,153 @@ MAX_OPEN = 32
 
 lock = threading.RLock()
 
-# A variable's state, for the compiled step that takes it as input. An attrgetter: it is on the
-# hot path of steps that use variables, and a step may take an open state (it runs after it).
-state_of = operator.attrgetter("_state")
+class VariableState:
+    """What one variable holds: its state, and what undoing a failed step needs.
+
+    A variable owns one for its whole life (``Variable.variable_state``); only this module
+    changes it: the queue of open steps, and eager writes through ``set``. While a call plan's
+    ``CommitRecord`` holds the variable (it captures it), the record keeps the value, the open
+    count and the last good value for all its variables at once, and these read through it.
+
+    Attributes:
+        value: the state (an array, or a ``PerReplica`` of components); a compiled step takes
+            it as input (it may be open: the step runs after the one that wrote it).
+        open: how many open steps wrote it.
+        committed: while some are open, the state before them, known good; ``None`` once
+            every step that wrote it is known to have succeeded (one copy held then).
+        failure: a failed step whose writes it lost, not reported yet.
+        own_value, own_open, own_committed: the same, kept here while no record holds it.
+        record, index: the ``CommitRecord`` holding it, and its place there (or ``None``).
+
+    Example:
+        >>> s = VariableState(1.0)
+        >>> s.set(2.0); (s.value, s.committed, s.open)
+        (2.0, None, 0)
+    """
+
+    __slots__ = ("own_value", "own_open", "own_committed", "failure", "record", "index")
+
+    def __init__(self, value):
+        self.own_value = value
+        self.own_open = 0
+        self.own_committed = None
+        self.failure = None
+        self.record = None  # the CommitRecord holding it, if any (at ``index`` there)
+        self.index = 0
+
+    @property
+    def value(self):
+        record = self.record
+        return self.own_value if record is None else record.values[self.index]
+
+    @property
+    def open(self) -> int:
+        record = self.record
+        return self.own_open if record is None else record.open
+
+    @property
+    def committed(self):
+        record = self.record
+        if record is None:
+            return self.own_committed
+        return None if record.committed is None else record.committed[self.index]
+
+    def set(self, value) -> None:
+        """An eager write (callers settled the variable first: nothing is open)."""
+        if self.record is not None:
+            self.record.release(self)
+        self.own_value = value
+
+    def detached(self) -> "VariableState":
+        """A new state holding this one's value, nothing open or failed (a copy's)."""
+        return VariableState(self.value)
+
+
+def state_of(var):
+    """``var``'s state (an array or a ``PerReplica``), open or not, as a step takes it.
+
+    Args:
+        var: a variable.
+
+    Returns:
+        ``var.variable_state.value``.
+
+    Example:
+        >>> import jaxmirror
+        >>> float(state_of(jaxmirror.Variable(3.0)))
+        3.0
+    """
+    return var.variable_state.value
+
+
+class CommitRecord:
+    """The variables one call plan captures, and its steps' writes to them, as one tuple.
+
+    A step that captures variables (TF's style) reads them all and writes most of them on
+    every call. The record keeps their values as the tuple the step takes (``current``), takes
+    the step's new values as one tuple (``write_record``), and commits or rolls back the whole
+    tuple when a step is known: no work per variable per step. It holds its variables
+    exclusively: a write from elsewhere (an eager ``assign``, another program) first waits for
+    the record's open steps and takes that variable back (``release``); the record takes them
+    again on its next call.
+
+    Args:
+        held: the ``VariableState``s of the captured variables, in the step's input order.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxmirror
+        >>> v = jaxmirror.Variable(1.0)
+        >>> record = CommitRecord((v.variable_state,))
+        >>> float(record.current()[0])
+        1.0
+    """
+
+    __slots__ = ("held", "values", "committed", "open", "valid")
+
+    def __init__(self, held: tuple):
+        self.held = held
+        self.values = ()
+        self.committed = None  # while steps are open: the values before the oldest
+        self.open = 0
+        self.valid = False  # whether ``values`` is current (it holds every variable)
+
+    def current(self) -> tuple:
+        """The variables' current values (open ones included), as the step's input."""
+        if not self.valid:
+            self._take_all()
+        return self.values
+
+    def _take_all(self) -> None:
+        old, values, taken = self.values, [], []
+        for i, s in enumerate(self.held):
+            if s.record is self:
+                values.append(old[i])
+                continue
+            if s.record is not None:
+                s.record.release(s)
+            elif s.own_open:  # open per-variable writes: closed first
+                while s.own_open and _open:
+                    _close_oldest()
+            values.append(s.own_value)
+            taken.append((s, i))
+        self.values = tuple(values)  # first: a reader outside the lock sees a whole tuple
+        for s, i in taken:
+            s.index, s.record = i, self
+            s.own_value = s.own_committed = None  # the record holds it now: one copy
+        self.valid = True
+
+    def release(self, s) -> None:
+        """Give ``s`` back its own state (after this record's open steps are closed)."""
+        while self.open and _open:
+            _close_oldest()
+        s.own_value, s.own_open, s.own_committed = self.values[s.index], 0, None
+        s.record = None
+        self.valid = False
 
 
 class _Writes:
-    """One dispatched step's writes: ``[(variable, new state)]`` and one array of the step."""
+    """One dispatched step's writes to variables outside a record: ``[(VariableState, new
+    value)]``, and one array of the step that tells when it finished and whether it failed."""
 
     __slots__ = ("handle", "pairs", "has_outputs", "error", "reported", "tainted")
 
@@ -60,7 +199,59 @@ class _Writes:
         self.has_outputs = has_outputs
         self.error = None
         self.reported = False
-        self.tainted = []  # once failed: the variables whose ``_failure`` it is
+        self.tainted = []  # once failed: the VariableStates whose ``failure`` it is
+
+    def written(self):
+        return (s for s, _ in self.pairs)
+
+    def close(self, failure) -> None:
+        """Known: succeeded (``failure`` None) or undone as part of ``failure``."""
+        if failure is None:
+            for s, new in self.pairs:
+                s.own_open -= 1
+                # Later open steps build on it; with none, nothing is kept to roll back to.
+                s.own_committed = new if s.own_open else None
+            return
+        for s, new in self.pairs:
+            s.own_open -= 1
+            if s.own_value is new:  # its latest write: back to the last good state
+                s.own_value = s.own_committed
+            _taint(s, failure)
+            if not s.own_open:
+                s.own_committed = None
+
+
+class _RecordWrites(_Writes):
+    """One dispatched step's writes through a ``CommitRecord``: its new values tuple."""
+
+    __slots__ = ("record", "new", "keys")  # keys: the written indices (the writes' dict)
+
+    def __init__(self, handle, record, new: tuple, keys, has_outputs: bool):
+        super().__init__(handle, (), has_outputs)
+        self.record, self.new, self.keys = record, new, keys
+
+    def written(self):
+        held = self.record.held
+        return (held[i] for i in self.keys)
+
+    def close(self, failure) -> None:
+        record = self.record
+        record.open -= 1
+        if failure is None:
+            record.committed = self.new if record.open else None
+            return
+        if record.values is self.new:  # its latest write: back to the last good values
+            record.values = record.committed
+        for s in self.written():
+            _taint(s, failure)
+        if not record.open:
+            record.committed = None
+
+
+def _taint(s, failure) -> None:
+    if s.failure is None:
+        s.failure = failure
+        failure.tainted.append(s)
 
 
 # Open steps, oldest first.
@@ -70,19 +261,6 @@ _open: collections.deque = collections.deque()
 _failures: list = []
 
 
-def initialize(var, state) -> None:
-    """Give a new variable its first state (nothing open, nothing failed).
-
-    Args:
-        var: the variable.
-        state: its array (or ``PerReplica`` of components).
-    """
-    var._state = state
-    var._open = 0  # open steps that wrote it
-    var._committed = None  # while some are open: its state before them, known good
-    var._failure = None  # a failed step whose writes it lost, not yet reported
-
-
 def detached_attributes(var) -> dict:
     """``var``'s attributes for a copy of it (copy, pickle): its settled state, nothing open.
 
@@ -90,12 +268,25 @@ def detached_attributes(var) -> dict:
         var: the variable being copied.
 
     Returns:
-        A new dict of its attributes; what is open or failed stays with ``var``.
+        A new dict of its attributes, whose ``VariableState`` is a new one holding the settled
+        value; what is open or failed stays with ``var``.
     """
     settle(var, report=False)
-    attributes = dict(var.__dict__)
-    attributes.update(_open=0, _committed=None, _failure=None)  # as ``initialize`` sets them
-    return attributes
+    held = var.variable_state
+    return {k: (held.detached() if v is held else v) for k, v in var.__dict__.items()}
+
+
+def open_steps() -> int:
+    """How many dispatched steps' writes are open (for tests and diagnostics).
+
+    Returns:
+        An int, at most ``MAX_OPEN``.
+
+    Example:
+        >>> settle_all(); open_steps()
+        0
+    """
+    return len(_open)
 
 
 def write_back(variables, states: dict) -> None:
@@ -118,41 +309,90 @@ def write_back(variables, states: dict) -> None:
         2.0
     """
     for i, new in states.items():
-        variables[i]._state = new
+        variables[i].variable_state.set(new)
 
 
-def write_open(variables, states: dict, has_outputs: bool, single_device: bool = False) -> None:
+def write_open(held: tuple, states: dict, has_outputs: bool, single_device: bool = False) -> None:
     """Store a dispatched step's new states, open until the step is known to have succeeded.
 
     Args:
-        variables: the step's variables (captured and passed ones).
-        states: ``{index into variables: new state}`` (the step's extra outputs; one of them
+        held: the ``VariableState``s of the step's variables (passed ones, then captured).
+        states: ``{index into held: new state}`` (the step's extra outputs; one of them
             tells when the step finished, and whether it failed).
         has_outputs: whether the step returned values (which then report its failure).
         single_device: the step ran on one device, where it has often finished already (one
             CPU device runs small programs at once): then it is stored as committed.
     """
-    handle = next(iter(states.values()))
-    if isinstance(handle, PerReplica):
-        handle = handle.stacked
-    failure = _failure_of(variables[i] for i in states)
-    if single_device and failure is None and not _open and handle.is_ready():
-        try:
-            handle.block_until_ready()
-        except Exception:  # noqa: BLE001 - failed: kept open below, closed by the next poll
-            pass
-        else:
-            write_back(variables, states)
-            return
-    pairs = [(variables[i], new) for i, new in states.items()]
-    for var, new in pairs:
-        if not var._open:
-            var._committed = var._state
-        var._open += 1
-        var._state = new
+    handle = _handle_of(states)
+    failure = _failure_of(held[i] for i in states)
+    if _done_already(handle, failure, single_device):
+        for i, new in states.items():
+            held[i].set(new)
+        return
+    pairs = [(held[i], new) for i, new in states.items()]
+    for s, new in pairs:
+        if s.record is not None:  # a record holds it: take it back (waits for its steps)
+            s.record.release(s)
+        if not s.own_open:
+            s.own_committed = s.own_value
+        s.own_open += 1
+        s.own_value = new
     _open.append(_Writes(handle, pairs, has_outputs))
     if failure is not None:  # dispatched after a failure on its variables: it fails with it
         _report(failure)
+
+
+def write_record(record: CommitRecord, states: dict, has_outputs: bool,
+                 single_device: bool = False) -> None:
+    """Store a dispatched step's new states of a record's variables, open as ``write_open``
+    stores them, as one tuple: no work per variable when the step wrote them all.
+
+    Args:
+        record: the call plan's ``CommitRecord`` (its ``current()`` was the step's input).
+        states: ``{index into record.held: new state}``, in index order.
+        has_outputs: whether the step returned values (which then report its failure).
+        single_device: as for ``write_open``.
+    """
+    handle = _handle_of(states)
+    failure = None
+    if _failures:
+        failure = _failure_of(record.held[i] for i in states)
+    values = record.values
+    if len(states) == len(values):  # every variable written (dict keys come sorted)
+        new = tuple(states.values())
+    else:
+        merged = list(values)
+        for i, value in states.items():
+            merged[i] = value
+        new = tuple(merged)
+    if _done_already(handle, failure, single_device):
+        record.values = new
+        return
+    if not record.open:
+        record.committed = values
+    record.open += 1
+    record.values = new
+    _open.append(_RecordWrites(handle, record, new, states, has_outputs))
+    if failure is not None:  # dispatched after a failure on its variables: it fails with it
+        _report(failure)
+
+
+def _handle_of(states: dict):
+    """One array of the step's writes: it tells when the step finished, and whether it failed."""
+    handle = next(iter(states.values()))
+    return handle.stacked if isinstance(handle, PerReplica) else handle
+
+
+def _done_already(handle, failure, single_device: bool) -> bool:
+    """Whether a step on one device finished already and succeeded (one CPU device runs small
+    programs at once): then its writes are stored as committed, with nothing open."""
+    if not (single_device and failure is None and not _open and handle.is_ready()):
+        return False
+    try:
+        handle.block_until_ready()
+    except Exception:  # noqa: BLE001 - failed: kept open, closed by the next poll
+        return False
+    return True
 
 
 def poll() -> None:
@@ -165,18 +405,18 @@ def poll() -> None:
         _close_oldest()
 
 
-def check(variables) -> None:
-    """Before a step dispatches on ``variables``: raise the unreported failure that one of them
-    lost writes to (every open step is closed first; see ``settle``), so that no step runs
-    after a failure that was not reported yet.
+def check(held) -> None:
+    """Before a step dispatches: raise the unreported failure that one of its variables lost
+    writes to (every open step is closed first; see ``settle``), so that no step runs after a
+    failure that was not reported yet.
 
     Args:
-        variables: the step's variables (captured and passed ones).
+        held: the ``VariableState``s of the step's variables (captured and passed ones).
 
     Raises:
         Exception: that failure's own error, once.
     """
-    failure = _failure_of(variables)
+    failure = _failure_of(held)
     if failure is not None:
         _report(failure)
 
@@ -192,11 +432,12 @@ def settle(var, report: bool = True) -> None:
     Raises:
         Exception: that step's own error, as described.
     """
-    if var._open:
+    held = var.variable_state
+    if held.open:
         with lock:
-            while var._open and _open:
+            while held.open and _open:
                 _close_oldest()
-    failed = var._failure
+    failed = held.failure
     if failed is not None and report:
         _report(failed)
 
@@ -211,7 +452,7 @@ def settled(var):
         Its state (an array, or a ``PerReplica``).
     """
     settle(var)
-    return var._state
+    return var.variable_state.value
 
 
 def settle_all() -> None:
@@ -233,25 +474,11 @@ def _close_oldest() -> None:
     _open.popleft()
     # A step after an unreported failure on one of its variables is undone with it, and
     # reported as it (one failure, one report), succeeded or not.
-    failure = _failure_of(var for var, _ in writes.pairs)
-    if failure is None and not failed:
-        for var, new in writes.pairs:
-            var._open -= 1
-            # Later open steps build on it; with none, nothing is kept to roll back to.
-            var._committed = new if var._open else None
-        return
-    if failure is None:
+    failure = _failure_of(writes.written())
+    if failure is None and failed:
         failure = writes
         _failures.append(writes)
-    for var, new in writes.pairs:
-        var._open -= 1
-        if var._state is new:  # its latest write: back to the last good state
-            var._state = var._committed
-        if var._failure is None:
-            var._failure = failure
-            failure.tainted.append(var)
-        if not var._open:
-            var._committed = None
+    writes.close(failure)
 
 
 def _reported_by_caller() -> None:
@@ -268,18 +495,18 @@ def _reported_by_caller() -> None:
 def _clear(failed) -> None:
     if failed in _failures:
         _failures.remove(failed)
-    for var in failed.tainted:
-        if var._failure is failed:
-            var._failure = None
+    for s in failed.tainted:
+        if s.failure is failed:
+            s.failure = None
 
 
-def _failure_of(variables):
-    """The unreported failure that one of ``variables`` lost writes to, or ``None``."""
+def _failure_of(held):
+    """The unreported failure that one of ``held`` (VariableStates) lost writes to, or None."""
     if not _failures:  # the usual case, on the hot path: none anywhere
         return None
-    for var in variables:
-        if var._failure is not None:
-            return var._failure
+    for s in held:
+        if s.failure is not None:
+            return s.failure
     return None
 
 
@@ -295,5 +522,5 @@ def _report(failed) -> None:
 
 _compat.failure_reported_hooks.append(_reported_by_caller)
 
-__all__ = ["MAX_OPEN", "check", "detached_attributes", "initialize", "lock", "poll", "settle",
-           "settle_all", "settled", "state_of", "write_back", "write_open"]
+__all__ = ["MAX_OPEN", "CommitRecord", "VariableState", "check", "detached_attributes", "lock",
+           "open_steps", "poll", "settle", "settle_all", "settled", "state_of", "write_back", "write_open", "write_record"]

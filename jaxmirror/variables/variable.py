@@ -10,10 +10,10 @@ happens decides what it does:
 * outside ``run``: ``_eager_*``, on the stored array;
 * inside ``extended.update``'s function: components are read and written as they are.
 
-A variable's state (one array, or a ``PerReplica`` of components) is kept by ``state.py``: a
-compiled step's writes stay open until the step is known to have succeeded, so every eager use
-of a variable here first settles them (``state.settle``), and every eager read-modify-write holds
-``state.lock``.
+A variable's state (one array, or a ``PerReplica`` of components) is a ``state.VariableState``
+the variable owns: a compiled step's writes stay open until the step is known to have
+succeeded, so every eager use of a variable here first settles them (``state.settle``), and
+every eager read-modify-write holds ``state.lock``.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
         self._name = name
         self._shape = tuple(value.shape)
         self._dtype = value.dtype
-        state.initialize(self, self._placed(value))
+        self._held = state.VariableState(self._placed(value))
         if strategy is not None:
             creation.register(strategy, self)
 
@@ -155,6 +155,17 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
         return self._strategy or context.default_strategy()
 
     # -- what compiled steps need (core.stateful.Stateful) -----------------------------------
+    @property
+    def variable_state(self) -> "state.VariableState":
+        """The ``VariableState`` this variable owns: its stored value (``.value``, which may
+        be a step's open write) and what undoing a failed step needs (``variables/state.py``).
+        For steps, tests and diagnostics; read values with ``read_value()``."""
+        return self._held
+
+    @property
+    def _state(self):
+        return self._held.value
+
     @property
     def stored_per_replica(self) -> bool:
         """Whether the state holds one component per replica (a replica-stacked array)."""
@@ -344,7 +355,7 @@ class Variable(ArrayOperators, Identity, OverwriteWatch, Stateful):
                 )
             with state.lock:
                 state.settle(self)
-                self._state = self._eager_write(method, value)
+                self._held.set(self._eager_write(method, value))
         elif slot.updating:
             new = combine(method, slot.value, convert(self, value, method))
             slot.write(new, slot.mirrored and slot.update_mirrored)

@@ -1,30 +1,210 @@
-"""Tracing a step function once per replica signature, and emitting it for the inputs' placement.
+"""A program's compiled side: one ``jax.jit`` of ``Compiled._trace``, the traces of the user's
+function, and what a dispatched call needs after.
 
+All the Python work happens once per input signature, while ``jax.jit`` traces ``_trace``.
 ``trace_replica`` traces the user's function on per-replica values (so one trace serves every
 placement of the inputs), with the variables it uses bound to traced stand-ins
 (``core.binding``), and records what the step returned and assigned. ``emit`` re-emits that
 jaxpr under ``shard_map`` with the real ``in_specs`` and the ``out_specs`` the replication
 analysis chose: replicated outputs come back as plain arrays replicated over the mesh
-(Mirrored), the others as ``PerReplica``.
+(Mirrored), the others as ``PerReplica``. The variables' new arrays come back as extra
+outputs, ``{index: new state}``, which the call plan stores open (``variables/state.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import operator
 import warnings
+import weakref
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import errors as flax_errors
 
-from jaxmirror.core import _compat, binding, context
+from jaxmirror.core import _compat, binding, context, inflight
 from jaxmirror.core._compat import P
-from jaxmirror.core.values import PerReplica, is_distributed
-from jaxmirror.step import captured_graphs, divergence, padding_check, replication, rows
+from jaxmirror.core.binding import PlanMiss
+from jaxmirror.core.values import Mirrored, PerReplica, is_distributed, is_per_replica
+from jaxmirror.runtime import ledger, watch
+from jaxmirror.step import graphs
+from jaxmirror.step.analysis import divergence, padding_check, replication, rows
+from jaxmirror.step.arguments import check_arguments, check_not_donating
+from jaxmirror.step.cross_replica import (attach_sums, getters, reducible_in_step,
+                                          reductions_in_step, sum_paths)
 from jaxmirror.step.replica_context import ReplicaContext
+from jaxmirror.variables.creation import created_in
 from jaxmirror.variables.state import state_of
+
+
+class Compiled:
+    """A program's compiled side: the ``jax.jit`` of ``_trace``, the user's traces, and what a
+    dispatched call needs after (the in-flight bound, the failure watch, the in-step sums).
+
+    Args:
+        program: the ``Program`` (its function, name, donation and bindings).
+        counts: the program whose ``trace_count``/``compile_count`` traces add to.
+        sum_first_only: the outputs are ``(user's results, NNX state)``.
+    """
+
+    def __init__(self, program, counts, sum_first_only: bool):
+        strategy = program.strategy
+        placement = strategy.extended.placement
+        self.program = program
+        self.counts = counts
+        self.track = placement.bound_in_flight
+        # Across processes: each compile's first run is agreed with the other workers.
+        self.watch = placement.multi_process
+        self.single = placement.num_replicas == 1  # often done at return
+        self.central = placement.central  # see central_call
+        # Small per-replica results are summed in the program too, for strategy.reduce.
+        self.reductions = None if self.single else (
+            reducible_in_step, functools.partial(reductions_in_step, strategy))
+        self.sum_first_only = sum_first_only  # an NNX step's program: not the objects' state
+        self.owner = weakref.ref(strategy.extended)  # whose sums they are (reduce checks)
+        self.traced = {}  # per-replica input signature -> Traced
+        self.handle_path = ()  # getters from the output to its smallest array (last trace)
+        self.sum_paths = ()  # getters from the output to each summed result (last trace)
+        self.effects = False  # the traced step has side effects (host callbacks)
+        self.trace_error = None  # id of what the last failed trace raised (call_plan.repaired)
+        # jit arguments: (variable binding (static), captured variables' arrays, *args, **kwargs)
+        self.jitted = jax.jit(self._trace, static_argnums=0,
+                              donate_argnums=tuple(i + 2 for i in program.donate_argnums))
+
+    def central_call(self, bound, values, args, kwargs):
+        """Central storage: what the step reads from the parameter device is broadcast to the
+        replicas, and its mirrored results (new parameters, variables' values) go back there."""
+        placement = self.program.strategy.extended.placement
+        values, args, kwargs = placement.to_compute((values, args, kwargs))
+        out, token, writes, sums = self.jitted(bound, values, *args, **kwargs)
+        return placement.to_storage(out), token, placement.to_storage(writes), sums
+
+    def finish(self, out, token, sums):
+        """The call was dispatched: it counts against the in-flight bound, and its small
+        per-replica results get the sums it computed with them (``reductions_in_step``)."""
+        if self.track or self.watch:
+            handle = token if token is not None else self.handle(out)
+            if self.track:
+                inflight.track_array(handle)
+            if self.watch:
+                watch.dispatched(self.program.__name__, handle)
+        if sums:
+            attach_sums(out, sums, self.sum_paths, self.owner)
+        return out
+
+    def handle(self, out):
+        """One output array of this call, found without flattening ``out`` (on the hot path)."""
+        try:
+            for getter in self.handle_path:
+                out = getter(out)
+            return out.stacked if isinstance(out, PerReplica) else out
+        except Exception:  # another signature's output structure: fall back to flattening
+            leaves = jax.tree.leaves(out)
+            return leaves[-1] if leaves else None
+
+    # -- trace time only -------------------------------------------------------------------
+    def _trace(self, bound, captured_states, *args, **kwargs):
+        guard = _compat.array_like_guard
+        refusal, guard.refusal = guard.refusal, None  # the user's own jax.jit may take variables
+        try:
+            return self._traced_call(bound, captured_states, args, kwargs)
+        except PlanMiss:
+            raise
+        except Exception as err:  # the step's own error (or ours about it): never retried
+            self.trace_error = id(err)  # not the error: its traceback holds the step's frames
+            raise
+        finally:
+            guard.refusal = refusal
+
+    def _traced_call(self, bound, captured_states, args, kwargs):
+        name, placement = self.program.__name__, self.program.strategy.extended.placement
+        if self.watch:
+            watch.tracing(name)  # tracing and compiling: not waiting for the others
+        # Called with concrete arrays, not traced: jax_debug_nans/infs saw a NaN or inf in the
+        # outputs and calls the function un-jitted to find the operation that made it.
+        op_by_op = _compat.trace_state_clean()
+        check_arguments(args, kwargs, "run")  # once per signature: jax.jit takes ragged lists
+        if graphs.has_graph_nodes((args, kwargs)):  # jax.jit took them apart as pytrees
+            raise PlanMiss(graphs=True)
+        leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_distributed)
+        n_args = len(leaves)
+        # Batches from a distributed dataset: their row counts go in as replicated operands
+        # after the captured variables' arrays, so a new partial batch is new data, not a new
+        # program.
+        padded = tuple(i for i, x in enumerate(leaves)
+                       if is_per_replica(x) and x.row_counts is not None)
+        if padded and self.program.donate_argnums:
+            check_not_donating("batches", args, self.program.donate_argnums, name)
+        counts = [leaves[i].row_counts for i in padded]
+        leaves += list(captured_states)
+        stacked = tuple(is_per_replica(x) for x in leaves) + (False,) * len(counts)
+        # Each replica sees a PerReplica's own component and a Mirrored's value.
+        flat = [x.stacked if s else (x.value if isinstance(x, Mirrored) else x)
+                for x, s in zip(leaves, stacked)] + counts
+        local = tuple(_compat.local_abstract_key(x, s) for x, s in zip(flat, stacked))
+        traced = self._traced_for(in_tree, n_args, local, bound, padded)
+        if op_by_op:
+            with jax.disable_jit():
+                run_op_by_op(traced, flat, stacked, placement)
+            return None, None, {}, ()  # no NaN op by op: JAX raises its own error about that
+        self.handle_path = traced.handle_path
+        self.counts.compile_count += 1  # a trace that got here is compiled (not abandoned)
+        self.effects = self.effects or bool(traced.jaxpr.effects)
+        reductions = self.reductions
+        if reductions is not None and self.sum_first_only:  # (user's results, NNX state)
+            reductions += (traced.out_tree.children()[0].num_leaves,)
+        elif reductions is not None:
+            reductions += (None,)
+        outs, summed, sums = emit(traced, flat, stacked, placement, len(counts), reductions)
+        n_out = len(outs) - len(traced.written)
+        results, new_states = outs[:n_out], outs[n_out:]
+        self.sum_paths = sum_paths(traced.out_tree, n_out, summed)
+        # A step with no outputs still queues collectives: give the in-flight bound a handle.
+        token = None if results else jnp.zeros((), jnp.int32)
+        if self.watch:  # before its first run: every worker compiled the same program
+            ledger.agree(f"step `{name}`", fingerprint(traced))
+            watch.tracing(None)
+        return (jax.tree.unflatten(traced.out_tree, results), token,
+                dict(zip(traced.written, new_states)), tuple(sums))
+
+    def _traced_for(self, in_tree, n_args, local, bound, padded) -> Traced:
+        """The user's function traced for this per-replica signature (once per signature).
+
+        The user's function sees only per-replica values, so one trace serves every placement
+        of the inputs: host or replicated arrays, replicated or stacked (a variable whose
+        replicas diverged) ones. jax.jit retraces for those; the user's function does not.
+        """
+        key = (in_tree, local, bound, padded)
+        traced = self.traced.get(key)
+        if traced is not None:
+            return traced
+        program, strategy = self.program, self.program.strategy
+        self.counts.trace_count += 1
+        resolved = None if bound is None else bound.resolve()
+        # The strategy's variables the step might reach by closure are bound in the same
+        # trace, so that finding which ones it uses costs no second run of its Python.
+        taken = set(map(id, resolved[1] + resolved[2])) if resolved else set()
+        candidates = tuple(v for v in created_in(strategy) if id(v) not in taken)
+        fn = program.fn
+        traced = trace_replica(strategy, fn, in_tree, n_args, local, resolved, padded,
+                               candidates)
+        user = fn  # the user's own function, behind the wrappers of NNX and fused steps
+        while getattr(user, "user_function_ref", None) is not None:
+            user = user.user_function_ref()
+        graphs.check_constants(user, traced.jaxpr, program.__name__)
+        cacheable = not any(_compat.is_tracer(c) for c in traced.jaxpr.consts)
+        if traced.adopted:  # the next call passes them: keep the trace for that call
+            positions, variables, captured = resolved or ((), (), ())
+            n_bound = n_args + len(captured)
+            local = local[:n_bound] + tuple(map(local_key, traced.adopted)) + local[n_bound:]
+            bound = program.binding_of((positions, variables, captured + traced.adopted))
+            if cacheable:
+                self.traced[(in_tree, local, bound, padded)] = traced
+            raise PlanMiss(traced.adopted)  # out of jax.jit: the program takes them as inputs
+        if cacheable:
+            self.traced[key] = traced
+        return traced
 
 
 # warnings.warn_explicit's record of the warnings shown (as a module's __warningregistry__).
@@ -53,25 +233,6 @@ def _as_output_array(x, where):
         f"run: the step function must return arrays, Python numbers or nests of them; got "
         f"{type(x).__name__} at {jax.tree_util.keystr(where) or 'the top level'}."
     )
-
-
-def getters(path) -> tuple:
-    """Key path -> getters; a key we cannot follow cheaply gives a path that always falls back."""
-    found = []
-    for key in path:
-        if isinstance(key, jax.tree_util.SequenceKey):
-            found.append(operator.itemgetter(key.idx))
-        elif isinstance(key, jax.tree_util.DictKey):
-            found.append(operator.itemgetter(key.key))
-        elif isinstance(key, jax.tree_util.GetAttrKey):
-            found.append(operator.attrgetter(key.name))
-        else:
-            return (_no_path,)
-    return tuple(found)
-
-
-def _no_path(_):
-    raise LookupError("no cheap path to an output array")
 
 
 def _bind_inputs(frame, strategy, values, n_args, bound, candidates) -> list:
@@ -133,7 +294,7 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
         computation on per-replica inputs, and what ``emit`` needs to emit it.
 
     Raises:
-        binding.Discovered: when the step reached variables it does not take as inputs yet.
+        binding.PlanMiss: when the step reached variables it does not take as inputs yet.
     """
     placement = strategy.extended.placement
     found = {}
@@ -154,7 +315,7 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
             with_paths, tree = jax.tree_util.tree_flatten_with_path(result)
             outs = [_as_output_array(x, path) for path, x in with_paths]
         if frame.discovered:
-            raise binding.Discovered(tuple(frame.discovered))
+            raise binding.PlanMiss(tuple(frame.discovered))
         # No attribute paths: an attribute may be a property that warns (NNX's `.value`).
         plain = [i for i, (path, _) in enumerate(with_paths)
                  if not any(isinstance(k, jax.tree_util.GetAttrKey) for k in path)]
@@ -164,7 +325,7 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
                                                                   placement.num_replicas)
         found.update(
             out_tree=tree,
-            handle_path=(_no_path,) if smallest is None else getters(with_paths[smallest][0]),
+            handle_path=getters(with_paths[smallest][0] if smallest is not None else (None,)),
             written=written,
             force_varying=[False] * len(outs) + varying,
             pairs=(divergence.paired_outputs(fn, a, k, result)
@@ -220,7 +381,7 @@ def _closure_message(fn, err) -> str:
     user = fn  # the user's own function, behind the wrappers of NNX and fused steps
     while getattr(user, "user_function_ref", None) is not None:
         user = user.user_function_ref()
-    reached = captured_graphs.reached_objects(user)
+    reached = graphs.reached_objects(user)
     names = ", ".join(f"`{name}` ({type(obj).__name__})" for name, obj in reached)
     example = reached[0][0].rsplit(".", 1)[-1] if reached else "model"
     example = example if example.isidentifier() else "model"
@@ -380,9 +541,12 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int,
     in_specs = tuple(P(axis) if s else P() for s in op_stacked)
     out_specs = [P(axis) if vary else P() for vary in out_varying] + [P()] * len(wanted)
     outs = _compat.shard_map(per_replica, placement.mesh, in_specs, out_specs)(*operands)
-    # A per-replica result computed row by row from a padded batch (rows.py) shows only the
+    # A per-replica result computed row by row from a padded batch (analysis/rows.py) shows only the
     # real rows, as TF's would: it carries that batch's row counts back out.
     counts_in = flat[len(flat) - n_counts:]
     results = [PerReplica(o, None if source is None else counts_in[source]) if vary else o
                for o, vary, source in zip(outs, out_varying, traced.row_source)]
     return results, wanted, outs[n_out:]
+
+
+__all__ = ["Compiled", "Traced", "emit", "fingerprint", "local_key", "run_op_by_op", "trace_replica"]

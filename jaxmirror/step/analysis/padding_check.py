@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib.util
+import inspect
 import os
-import sys
 from typing import NamedTuple
 
 import jax
@@ -30,8 +30,8 @@ import jaxlib
 from jax import lax
 
 from jaxmirror.core import _compat
-from jaxmirror.step import masked_stats, rows
-from jaxmirror.step.jaxpr_walk import Analysis
+from jaxmirror.step.analysis import masked_stats, rows
+from jaxmirror.step.analysis.jaxpr_walk import Analysis
 
 
 class PaddedRowsWarning(UserWarning):
@@ -368,7 +368,7 @@ def user_stacklevel() -> int:
         >>> warn_here()  # a doctest's frame is outside jaxmirror: the caller itself
         1
     """
-    frame, level = sys._getframe(1), 1
+    frame, level = inspect.currentframe().f_back, 1  # the caller's frame
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from jax import lax
 
 from jaxmirror.core import _compat
-from jaxmirror.step.jaxpr_walk import Analysis
+from jaxmirror.step.analysis.jaxpr_walk import Analysis
 
 
 class Flow(NamedTuple):

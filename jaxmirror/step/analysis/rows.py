@@ -19,7 +19,7 @@ import math
 from jax import lax
 
 from jaxmirror.core import _compat
-from jaxmirror.step.jaxpr_walk import Analysis
+from jaxmirror.step.analysis.jaxpr_walk import Analysis
 
 # (batch index, axis): the value's ``axis`` holds that padded batch's rows, in order.
 Tag = tuple

@@ -15,7 +15,7 @@ from jax import lax
 
 from jaxmirror.core import _compat
 from jaxmirror.core.replicated import replicated_p
-from jaxmirror.step.jaxpr_walk import Analysis, sub_jaxprs
+from jaxmirror.step.analysis.jaxpr_walk import Analysis, sub_jaxprs
 
 # Collectives over the replica axis whose result is the same on every replica.
 REPLICATING = (lax.psum_p, lax.pmax_p, lax.pmin_p, lax.all_gather_p, _compat.psum_invariant_p,
