@@ -2,6 +2,7 @@
 path, moved on when JAX's call meets what it does not cover; no stack walk, no exception other
 than the one named signal (``binding.PlanMiss``) choosing a path."""
 
+import gc
 import pathlib
 import threading
 
@@ -204,3 +205,120 @@ def test_a_captured_variable_passed_as_an_argument_too_is_one_variable():
     step(v)
     assert float(v.numpy()) == 2.0
     assert first(s, step(v)) == 3.0 and float(v.numpy()) == 3.0
+
+
+def test_a_handle_where_the_plan_had_an_array_is_a_clear_error_not_a_loop():
+    s = strategy(2)
+    with s.scope():
+        sharded = jm.experimental.ShardedVariable([jm.Variable([1.0, 2.0]), jm.Variable([3.0])])
+    step = s.function(lambda x: x * 2)
+    np.testing.assert_array_equal(step(jnp.ones(3)), [2.0, 2.0, 2.0])
+    with pytest.raises(TypeError, match=r"run: `<lambda>` got ShardedVariable as an argument.*"
+                                        r"read_value\(\)"):
+        step(sharded)
+
+
+def _blocking(event):
+    """A host callback that holds its step open until ``event`` is set."""
+    def wait(x):
+        event.wait(30)
+        return x
+    return lambda x: jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def test_reading_or_assigning_a_variable_the_open_step_does_not_write_does_not_wait():
+    s = strategy(2)
+    with s.scope():
+        w = jm.Variable(1.0)
+        lr = jm.Variable(0.5)  # read by the step, never written by it (a learning rate)
+    release = threading.Event()
+    hold = _blocking(release)
+
+    @s.function
+    def train():
+        w.assign(hold(w.read_value()) * lr.read_value())
+
+    @s.function
+    def evaluate():
+        return w.read_value() + lr.read_value()
+
+    release.set()
+    train()  # compiled, and done: w = 0.5
+    state.settle_all()
+    release.clear()
+    try:
+        train()  # open (w = 0.5 * 0.5 once done): its callback waits for `release`
+        assert float(lr.numpy()) == 0.5  # returns at once: the open step does not write lr
+        lr.assign(0.25)  # an eager schedule update: no wait either
+        out = evaluate()  # another program reading w: dispatched without waiting
+        assert state.open_steps() >= 1 and not release.is_set()
+    finally:
+        release.set()
+    assert first(s, out) == 0.25 + 0.25  # w after the second step, the new lr
+    assert float(w.numpy()) == 0.25
+
+
+def test_a_failed_step_is_undone_when_a_later_open_step_wrote_other_variables():
+    s = strategy(2)
+    with s.scope():
+        v0 = jm.Variable(0.0)
+        v1 = jm.Variable(0.0)
+    release = threading.Event()
+
+    def fail(x):
+        release.wait(30)
+        raise ValueError("boom")
+
+    def step(x):
+        if x.shape[0] == 1:  # this signature writes v0 and fails at run time
+            jax.debug.callback(fail, x)
+            v0.assign_add(1.0)
+        else:  # this one writes only v1
+            v1.assign_add(1.0)
+
+    s.run(step, args=(jnp.ones(2),))
+    s.run(step, args=(jnp.ones(1),))  # open, fails once released
+    s.run(step, args=(jnp.ones(2),))  # dispatched while it is open
+    release.set()
+    with pytest.raises(Exception, match="boom"):  # reported once...
+        v0.numpy()
+    assert float(v0.numpy()) == 0.0 and float(v1.numpy()) == 2.0  # ...and undone
+
+
+def test_a_gone_steps_record_keeps_no_array_of_its_variables_alive():
+    s = strategy(2)
+    with s.scope():
+        counter = jm.Variable(0.0)
+
+    def make():
+        with s.scope():
+            big = jm.Variable(jnp.zeros((123, 45)))
+
+        def step():
+            big.assign_add(jnp.ones((123, 45)))
+            counter.assign_add(1.0)
+
+        s.run(step)
+        return step
+
+    step = make()
+    del step
+    gc.collect()
+    assert float(counter.numpy()) == 1.0  # a read gives the record's variables back
+    gc.collect()
+    assert not [a for a in jax.live_arrays() if a.shape == (123, 45)]
+
+
+def test_an_nnx_steps_own_trace_error_is_not_retried_with_mirrored_arguments():
+    s = strategy(2)
+    model = s.init(lambda: nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    far = jax.device_put(jnp.ones((4, 2)), jax.devices()[5])
+    runs = []
+
+    def step(m, x):
+        runs.append(1)
+        raise ValueError("mine")
+
+    with pytest.raises(ValueError, match="mine"):
+        s.run(step, args=(model, far))
+    assert len(runs) == 1

@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 
 import jax
 
 from jaxmirror.core import _compat
 from jaxmirror.core.binding import PlanMiss
+from jaxmirror.core.stateful import Stateful
+from jaxmirror.core.values import is_distributed
 from jaxmirror.step import graphs
+from jaxmirror.step.compiled import raised_in_trace
 from jaxmirror.step.arguments import (check_alive, check_arguments, check_not_donating,
                                       donated_arrays, forget_donated, has_variables,
                                       mirror_misplaced, take_variables, warn_mirrored_once)
@@ -79,6 +83,8 @@ class CapturedCall(ArrayCall):
         super().__init__(program)
         self.held = tuple(v.variable_state for v in program.captured)
         self.record = state.CommitRecord(self.held)
+        # Gone with its plan (a new plan, or the program collected): its variables go back.
+        weakref.finalize(self, state.retire, self.record)
         self.binding = program.binding_of(((), (), program.captured))
         self.single = program.compiled.single
 
@@ -209,15 +215,28 @@ def planned(program, current, args, kwargs, miss=None):
     """
     if miss is not None and miss.variables:
         program.capture(miss.variables)
+    if isinstance(current, CapturedCall):
+        state.retire(current.record)  # a new plan (or this one again) takes the variables
     if isinstance(current, GraphCall):
         return current
     if (miss is not None and miss.graphs) or graphs.has_graph_nodes((args, kwargs)):
         return GraphCall(program)
     if isinstance(current, VariableCall) or has_variables(args, kwargs):
-        return VariableCall(program)
-    if program.captured:
-        return CapturedCall(program)
-    return ArrayCall(program)
+        plan = VariableCall(program)
+    elif program.captured:
+        plan = CapturedCall(program)
+    else:
+        plan = ArrayCall(program)
+    if miss is not None and not miss.variables and type(plan) is type(current):
+        # JAX met an array-like that is no variable of a step (a handle): no plan takes it.
+        leaves = jax.tree.leaves((args, kwargs), is_leaf=is_distributed)
+        kinds = sorted({type(x).__name__ for x in leaves
+                        if hasattr(x, "read_value") and not isinstance(x, Stateful)})
+        raise TypeError(
+            f"run: `{program.__name__}` got {', '.join(kinds) or 'an array-like object'} as an "
+            f"argument, which a step cannot take as a variable; pass its value "
+            f"(`x.read_value()`), or use it by closure.")
+    return plan
 
 
 def repaired(program, args, kwargs, err):
@@ -238,7 +257,7 @@ def repaired(program, args, kwargs, err):
     Returns:
         ``(args, kwargs)`` with the misplaced arrays mirrored, to call again with.
     """
-    from_trace, program.compiled.trace_error = program.compiled.trace_error == id(err), None
+    from_trace = raised_in_trace(err)
     if not isinstance(err, RuntimeError):
         check_arguments(args, kwargs, "run")  # a bad one: name it, in place of JAX's error
     check_alive(args, kwargs, program.__name__)  # a deleted one (one device: a ValueError)

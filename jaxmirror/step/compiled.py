@@ -38,6 +38,29 @@ from jaxmirror.variables.creation import created_in
 from jaxmirror.variables.state import state_of
 
 
+# The attribute a step's own trace error carries (``call_plan.repaired`` never retries it).
+RAISED_IN_TRACE = "jaxmirror_raised_while_tracing"
+
+
+def mark_raised_in_trace(err: BaseException) -> None:
+    """Mark ``err`` as raised by a step's trace (the step's Python ran: never run it again)."""
+    try:
+        setattr(err, RAISED_IN_TRACE, True)
+    except (AttributeError, TypeError):  # an exception type without attributes: not marked
+        pass
+
+
+def raised_in_trace(err: BaseException) -> bool:
+    """Whether ``err`` came out of a step's trace (an inner NNX program's too).
+
+    Example:
+        >>> err = ValueError("mine")
+        >>> mark_raised_in_trace(err); raised_in_trace(err), raised_in_trace(KeyError())
+        (True, False)
+    """
+    return getattr(err, RAISED_IN_TRACE, False) is True
+
+
 class Compiled:
     """A program's compiled side: the ``jax.jit`` of ``_trace``, the user's traces, and what a
     dispatched call needs after (the in-flight bound, the failure watch, the in-step sums).
@@ -67,7 +90,6 @@ class Compiled:
         self.handle_path = ()  # getters from the output to its smallest array (last trace)
         self.sum_paths = ()  # getters from the output to each summed result (last trace)
         self.effects = False  # the traced step has side effects (host callbacks)
-        self.trace_error = None  # id of what the last failed trace raised (call_plan.repaired)
         # jit arguments: (variable binding (static), captured variables' arrays, *args, **kwargs)
         self.jitted = jax.jit(self._trace, static_argnums=0,
                               donate_argnums=tuple(i + 2 for i in program.donate_argnums))
@@ -112,7 +134,7 @@ class Compiled:
         except PlanMiss:
             raise
         except Exception as err:  # the step's own error (or ours about it): never retried
-            self.trace_error = id(err)  # not the error: its traceback holds the step's frames
+            mark_raised_in_trace(err)
             raise
         finally:
             guard.refusal = refusal
@@ -549,4 +571,5 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int,
     return results, wanted, outs[n_out:]
 
 
-__all__ = ["Compiled", "Traced", "emit", "fingerprint", "local_key", "run_op_by_op", "trace_replica"]
+__all__ = ["RAISED_IN_TRACE", "Compiled", "Traced", "emit", "fingerprint", "local_key",
+           "mark_raised_in_trace", "raised_in_trace", "run_op_by_op", "trace_replica"]

@@ -85,14 +85,17 @@ class VariableState:
     @property
     def open(self) -> int:
         record = self.record
-        return self.own_open if record is None else record.open
+        if record is None:
+            return self.own_open
+        index = self.index
+        return sum(index in e.keys for e in record.entries)
 
     @property
     def committed(self):
         record = self.record
         if record is None:
             return self.own_committed
-        return None if record.committed is None else record.committed[self.index]
+        return record.committed[self.index] if self.open else None
 
     def set(self, value) -> None:
         """An eager write (callers settled the variable first: nothing is open)."""
@@ -127,11 +130,12 @@ class CommitRecord:
 
     A step that captures variables (TF's style) reads them all and writes most of them on
     every call. The record keeps their values as the tuple the step takes (``current``), takes
-    the step's new values as one tuple (``write_record``), and commits or rolls back the whole
-    tuple when a step is known: no work per variable per step. It holds its variables
-    exclusively: a write from elsewhere (an eager ``assign``, another program) first waits for
-    the record's open steps and takes that variable back (``release``); the record takes them
-    again on its next call.
+    the step's new values as one tuple (``write_record``), and commits the whole tuple when a
+    step is known good: no work per variable per call. A failed step's writes are rolled back
+    index by index. A variable another record holds (a second program capturing it) is read
+    through that record, and taken over only when this record's step writes it; a write from
+    elsewhere (an eager ``assign``, a variable passed as an argument, a restore) takes the
+    variable back (``release``), after the record's open steps that wrote it.
 
     Args:
         held: the ``VariableState``s of the captured variables, in the step's input order.
@@ -144,47 +148,69 @@ class CommitRecord:
         1.0
     """
 
-    __slots__ = ("held", "values", "committed", "open", "valid")
+    __slots__ = ("held", "values", "committed", "entries", "valid", "foreign", "__weakref__")
 
     def __init__(self, held: tuple):
         self.held = held
         self.values = ()
         self.committed = None  # while steps are open: the values before the oldest
-        self.open = 0
-        self.valid = False  # whether ``values`` is current (it holds every variable)
+        self.entries = collections.deque()  # its open steps (``_RecordWrites``), oldest first
+        self.valid = False  # whether ``values`` is current
+        self.foreign = False  # whether another record (or open writes of its own) holds one
 
     def current(self) -> tuple:
         """The variables' current values (open ones included), as the step's input."""
-        if not self.valid:
+        if not self.valid or self.foreign:
             self._take_all()
         return self.values
 
     def _take_all(self) -> None:
-        old, values, taken = self.values, [], []
+        old, values, taken, foreign = self.values, [], [], False
         for i, s in enumerate(self.held):
             if s.record is self:
                 values.append(old[i])
-                continue
-            if s.record is not None:
-                s.record.release(s)
-            elif s.own_open:  # open per-variable writes: closed first
-                while s.own_open and _open:
-                    _close_oldest()
-            values.append(s.own_value)
-            taken.append((s, i))
+            elif s.record is not None or s.own_open:  # read through whoever holds it
+                values.append(s.value)
+                foreign = True
+            else:
+                values.append(s.own_value)
+                taken.append((s, i))
         self.values = tuple(values)  # first: a reader outside the lock sees a whole tuple
         for s, i in taken:
             s.index, s.record = i, self
             s.own_value = s.own_committed = None  # the record holds it now: one copy
-        self.valid = True
+        self.valid, self.foreign = True, foreign
+
+    def take_written(self, keys) -> None:
+        """Hold the variables at ``keys`` (the step writes them) that another holds now."""
+        for i in keys:
+            s = self.held[i]
+            if s.record is self:
+                continue
+            if s.record is not None:
+                s.record.release(s)  # after that record's open steps that wrote it
+            while s.own_open and _open:  # open writes of its own: closed first
+                _close_oldest()
+            s.index, s.record = i, self
+            s.own_value = s.own_committed = None
+        self.foreign = any(s.record is not self for s in self.held)
 
     def release(self, s) -> None:
-        """Give ``s`` back its own state (after this record's open steps are closed)."""
-        while self.open and _open:
+        """Give ``s`` back its own state, once this record's open steps that wrote it are
+        closed (a write from elsewhere follows)."""
+        while s.open and _open:
             _close_oldest()
         s.own_value, s.own_open, s.own_committed = self.values[s.index], 0, None
         s.record = None
         self.valid = False
+
+    def release_all(self) -> None:
+        """Give every variable it holds back its own state (its plan is gone)."""
+        for s in self.held:
+            if s.record is self:
+                self.release(s)
+        if not self.entries:
+            self.values = self.committed = None
 
 
 class _Writes:
@@ -236,16 +262,29 @@ class _RecordWrites(_Writes):
 
     def close(self, failure) -> None:
         record = self.record
-        record.open -= 1
+        record.entries.popleft()  # the record's oldest: steps close in dispatch order
         if failure is None:
-            record.committed = self.new if record.open else None
+            record.committed = self.new if record.entries else None
             return
-        if record.values is self.new:  # its latest write: back to the last good values
-            record.values = record.committed
+        # Undone: each variable it wrote goes back to its value before it, in the values and
+        # in the later open steps that carried the write over (those that did not write it).
+        before, new = record.committed, self.new
+        record.values = _undone(record.values, new, before, self.keys)
+        for later in record.entries:
+            later.new = _undone(later.new, new, before, self.keys)
         for s in self.written():
             _taint(s, failure)
-        if not record.open:
+        if not record.entries:
             record.committed = None
+
+
+def _undone(values: tuple, failed: tuple, before: tuple, keys) -> tuple:
+    """``values`` with each written index still holding the failed step's value set back."""
+    values = list(values)
+    for i in keys:
+        if values[i] is failed[i]:
+            values[i] = before[i]
+    return tuple(values)
 
 
 def _taint(s, failure) -> None:
@@ -256,6 +295,9 @@ def _taint(s, failure) -> None:
 
 # Open steps, oldest first.
 _open: collections.deque = collections.deque()
+# Records whose plan is gone: their variables are given back at the next poll (a finalizer
+# may run anywhere, even inside this module's own work, so it only queues them here).
+_retired: list = []
 # Failures seen and not reported yet, oldest first (``_reported_by_caller`` takes those seen
 # while it closes the open steps as its own).
 _failures: list = []
@@ -357,6 +399,8 @@ def write_record(record: CommitRecord, states: dict, has_outputs: bool,
     failure = None
     if _failures:
         failure = _failure_of(record.held[i] for i in states)
+    if record.foreign:  # the step wrote variables another holds: take them first
+        record.take_written(states)
     values = record.values
     if len(states) == len(values):  # every variable written (dict keys come sorted)
         new = tuple(states.values())
@@ -368,11 +412,12 @@ def write_record(record: CommitRecord, states: dict, has_outputs: bool,
     if _done_already(handle, failure, single_device):
         record.values = new
         return
-    if not record.open:
+    if not record.entries:
         record.committed = values
-    record.open += 1
     record.values = new
-    _open.append(_RecordWrites(handle, record, new, states, has_outputs))
+    writes = _RecordWrites(handle, record, new, states, has_outputs)
+    record.entries.append(writes)
+    _open.append(writes)
     if failure is not None:  # dispatched after a failure on its variables: it fails with it
         _report(failure)
 
@@ -395,12 +440,24 @@ def _done_already(handle, failure, single_device: bool) -> bool:
     return True
 
 
+def retire(record: CommitRecord) -> None:
+    """``record``'s plan is gone: give its variables back (at the next ``poll``), so that it
+    keeps none of their arrays alive.
+
+    Args:
+        record: the record.
+    """
+    _retired.append(record)
+
+
 def poll() -> None:
     """Close the oldest open steps that are finished; wait for the oldest past ``MAX_OPEN``.
 
     Called (under ``lock``) before a step reads its variables, so that a step seen to have
     failed is rolled back before the next one starts from its writes.
     """
+    while _retired:
+        _retired.pop().release_all()
     while _open and (len(_open) >= MAX_OPEN or _open[0].handle.is_ready()):
         _close_oldest()
 
@@ -433,6 +490,10 @@ def settle(var, report: bool = True) -> None:
         Exception: that step's own error, as described.
     """
     held = var.variable_state
+    if _retired:  # records whose plan is gone: they may hold this one
+        with lock:
+            while _retired:
+                _retired.pop().release_all()
     if held.open:
         with lock:
             while held.open and _open:
@@ -460,6 +521,8 @@ def settle_all() -> None:
     with lock:
         while _open:
             _close_oldest()
+        while _retired:
+            _retired.pop().release_all()
 
 
 def _close_oldest() -> None:
@@ -523,4 +586,5 @@ def _report(failed) -> None:
 _compat.failure_reported_hooks.append(_reported_by_caller)
 
 __all__ = ["MAX_OPEN", "CommitRecord", "VariableState", "check", "detached_attributes", "lock",
-           "open_steps", "poll", "settle", "settle_all", "settled", "state_of", "write_back", "write_open", "write_record"]
+           "open_steps", "poll", "retire", "settle", "settle_all", "settled", "state_of",
+           "write_back", "write_open", "write_record"]
