@@ -44,7 +44,8 @@ def _launch(tmp_path, name, workers, devices, *, restarts=0, save_every=0, kill=
             sig, victim = kill  # victim: a worker's index, or ("group", index)
             progress, deadline = out / "progress-0", time.monotonic() + 150
             while time.monotonic() < deadline and proc.poll() is None:
-                if progress.exists() and progress.read_text() and int(progress.read_text()) >= at:
+                text = progress.read_text().strip() if progress.exists() else ""
+                if text.isdigit() and int(text) >= at:  # a read mid-write is empty: not yet
                     if isinstance(victim, tuple):  # the whole process group, as platforms do
                         pid = int((out / f"pid-{victim[1]}-0").read_text())
                         os.killpg(os.getpgid(pid), sig)

@@ -84,7 +84,7 @@ class CapturedCall(ArrayCall):
         self.held = tuple(v.variable_state for v in program.captured)
         self.record = state.CommitRecord(self.held)
         # Gone with its plan (a new plan, or the program collected): its variables go back.
-        weakref.finalize(self, state.retire, self.record)
+        weakref.finalize(self, _retire, weakref.ref(self.record))
         self.binding = program.binding_of(((), (), program.captured))
         self.single = program.compiled.single
 
@@ -110,6 +110,14 @@ class CapturedCall(ArrayCall):
         if donated:
             forget_donated(donated)
         return self.finish(out, token, sums)
+
+
+def _retire(record_ref) -> None:
+    """A captured-variables plan is gone: its record gives its variables back (if it lives:
+    held weakly, so that a record nothing else holds goes with its plan)."""
+    record = record_ref()
+    if record is not None:
+        state.retire(record)
 
 
 class VariableCall(ArrayCall):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 
 from jaxmirror.core import _compat
 from jaxmirror.core.values import PerReplica
@@ -295,8 +296,8 @@ def _taint(s, failure) -> None:
 
 # Open steps, oldest first.
 _open: collections.deque = collections.deque()
-# Records whose plan is gone: their variables are given back at the next poll (a finalizer
-# may run anywhere, even inside this module's own work, so it only queues them here).
+# Records whose plan is gone (weak references): their variables are given back at the next
+# poll (a finalizer may run anywhere, even inside this module's own work, so it only queues).
 _retired: list = []
 # Failures seen and not reported yet, oldest first (``_reported_by_caller`` takes those seen
 # while it closes the open steps as its own).
@@ -447,7 +448,13 @@ def retire(record: CommitRecord) -> None:
     Args:
         record: the record.
     """
-    _retired.append(record)
+    _retired.append(weakref.ref(record))  # not kept alive here: gone with its variables
+
+
+def _release_retired(ref) -> None:
+    record = ref()
+    if record is not None:
+        record.release_all()
 
 
 def poll() -> None:
@@ -457,7 +464,7 @@ def poll() -> None:
     failed is rolled back before the next one starts from its writes.
     """
     while _retired:
-        _retired.pop().release_all()
+        _release_retired(_retired.pop())
     while _open and (len(_open) >= MAX_OPEN or _open[0].handle.is_ready()):
         _close_oldest()
 
@@ -493,7 +500,7 @@ def settle(var, report: bool = True) -> None:
     if _retired:  # records whose plan is gone: they may hold this one
         with lock:
             while _retired:
-                _retired.pop().release_all()
+                _release_retired(_retired.pop())
     if held.open:
         with lock:
             while held.open and _open:
@@ -522,7 +529,7 @@ def settle_all() -> None:
         while _open:
             _close_oldest()
         while _retired:
-            _retired.pop().release_all()
+            _release_retired(_retired.pop())
 
 
 def _close_oldest() -> None:
