@@ -451,10 +451,12 @@ def retire(record: CommitRecord) -> None:
     _retired.append(weakref.ref(record))  # not kept alive here: gone with its variables
 
 
-def _release_retired(ref) -> None:
-    record = ref()
-    if record is not None:
-        record.release_all()
+def _release_retired() -> None:
+    """Give back the variables of every record whose plan is gone (callers hold ``lock``)."""
+    while _retired:
+        record = _retired.pop()()
+        if record is not None:
+            record.release_all()
 
 
 def poll() -> None:
@@ -463,8 +465,7 @@ def poll() -> None:
     Called (under ``lock``) before a step reads its variables, so that a step seen to have
     failed is rolled back before the next one starts from its writes.
     """
-    while _retired:
-        _release_retired(_retired.pop())
+    _release_retired()
     while _open and (len(_open) >= MAX_OPEN or _open[0].handle.is_ready()):
         _close_oldest()
 
@@ -499,8 +500,7 @@ def settle(var, report: bool = True) -> None:
     held = var.variable_state
     if _retired:  # records whose plan is gone: they may hold this one
         with lock:
-            while _retired:
-                _release_retired(_retired.pop())
+            _release_retired()
     if held.open:
         with lock:
             while held.open and _open:
@@ -528,8 +528,7 @@ def settle_all() -> None:
     with lock:
         while _open:
             _close_oldest()
-        while _retired:
-            _release_retired(_retired.pop())
+        _release_retired()
 
 
 def _close_oldest() -> None:
