@@ -37,6 +37,38 @@ def _collectives(text: str) -> list:
                       r"(?:-start)?\(", text)
 
 
+def _replica_groups(line: str) -> list:
+    """The replica groups of one collective in XLA's HLO text, in either of XLA's spellings:
+    listed (``replica_groups={{0,1},{2,3}}``) or as an iota (``replica_groups=[2,2]<=[4]``:
+    ``arange(4)`` reshaped to 2 groups of 2; ``[2,2]<=[2,2]T(1,0)``: transposed first)."""
+    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if listed:
+        return [[int(i) for i in g.split(",") if i]
+                for g in re.findall(r"\{([\d,]*)\}", listed.group(1))]
+    iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    assert iota, f"no replica_groups in {line!r}"
+    shape, dims = ([int(i) for i in g.split(",")] for g in iota.groups()[:2])
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if iota.group(3):
+        ids = ids.transpose([int(i) for i in iota.group(3).split(",")])
+    return ids.reshape(shape).tolist()
+
+
+def test_replica_groups_are_read_in_both_of_xlas_spellings():
+    assert _replica_groups("x = all-reduce(y), replica_groups={{0,1,2,3},{4,5,6,7}}") == [
+        [0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _replica_groups("all-reduce(y), replica_groups=[1,8]<=[8], to_apply=") == [
+        list(range(8))]
+    assert _replica_groups("all-reduce(y), replica_groups=[4,2]<=[2,4]T(1,0)") == [
+        [0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def _groups_of(text: str, op: str) -> list:
+    """The replica groups of every ``op`` (``all-reduce``...) in the HLO text, one list each."""
+    return [_replica_groups(line) for line in text.splitlines()
+            if re.search(rf"\b{op}(-start)?\(", line)]
+
+
 def _emitted(step, *args, op="all_reduce") -> int:
     """How many collectives of one kind the step's program emits (before XLA combines any)."""
     return step.lower(*args).as_text().count(f"stablehlo.{op}")
@@ -76,7 +108,8 @@ def test_nccl_all_reduce_is_one_all_reduce_per_pack_and_dtype():
     s = jm.MirroredStrategy(_devices(8), cross_device_ops=jm.NcclAllReduce())
     text = _compiled(_tree_step(s), jnp.arange(7.0))
     assert set(_collectives(text)) == {"all-reduce"}
-    assert "replica_groups={{0,1,2,3,4,5,6,7}}" in text
+    assert _groups_of(text, "all-reduce") and all(
+        groups == [list(range(8))] for groups in _groups_of(text, "all-reduce"))
     # one pack of float32 leaves, one of int32
     assert _emitted(_tree_step(s), jnp.arange(7.0)) == 2
 
@@ -103,12 +136,11 @@ def test_bytes_per_pack_groups_whole_leaves_into_packs_of_about_that_size(bytes_
 def test_hierarchical_reduces_within_groups_across_groups_and_gathers_back():
     s = jm.MirroredStrategy(_devices(8), cross_device_ops=jm.HierarchicalCopyAllReduce())
     text = _compiled(_tree_step(s), jnp.arange(7.0))
-    lines = {op: [l for l in text.splitlines() if re.search(rf"\b{op}(-start)?\(", l)]
-             for op in ("reduce-scatter", "all-reduce", "all-gather")}
-    within, across = "{{0,1,2,3},{4,5,6,7}}", "{{0,4},{1,5},{2,6},{3,7}}"
-    assert lines["reduce-scatter"] and all(within in l for l in lines["reduce-scatter"])
-    assert lines["all-reduce"] and all(across in l for l in lines["all-reduce"])
-    assert lines["all-gather"] and all(within in l for l in lines["all-gather"])
+    groups = {op: _groups_of(text, op) for op in ("reduce-scatter", "all-reduce", "all-gather")}
+    within, across = [[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["reduce-scatter"] and all(g == within for g in groups["reduce-scatter"])
+    assert groups["all-reduce"] and all(g == across for g in groups["all-reduce"])
+    assert groups["all-gather"] and all(g == within for g in groups["all-gather"])
     assert "collective-permute" not in _collectives(text)
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 
 import jax
-from jax.core import Tracer
+
+from jaxmirror.core import _compat
 
 MAX_IN_FLIGHT = 8
 _queue: collections.deque = collections.deque()
@@ -43,7 +44,7 @@ def track_array(x) -> None:
     Args:
         x: an output array of the step, or ``None`` (nothing dispatched).
     """
-    if x is None or isinstance(x, Tracer):
+    if x is None or _compat.is_tracer(x):
         return  # no array, or a step traced inside the user's own jit/scan: nothing dispatched
     _queue.append(x)
     if len(_queue) > MAX_IN_FLIGHT:

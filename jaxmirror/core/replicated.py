@@ -10,26 +10,11 @@ Differentiated, such a sum's transpose (the same composition, transposed) ends r
 
 from __future__ import annotations
 
-import jax
-from jax.interpreters import ad, batching, mlir
+from jaxmirror.core import _compat
 
-replicated_p = jax.extend.core.Primitive("jaxmirror_replicated")
-replicated_p.def_impl(lambda x: x)
-replicated_p.def_abstract_eval(lambda x: x)
-mlir.register_lowering(replicated_p, mlir.lower_fun(lambda x: x, multiple_results=False))
-ad.deflinear2(replicated_p, lambda ct, x: [ct])
-batching.primitive_batchers[replicated_p] = lambda args, dims: (replicated_p.bind(*args),
-                                                                  dims[0])
-
-
-gradient_replicated_p = jax.extend.core.Primitive("jaxmirror_gradient_replicated")
-gradient_replicated_p.def_impl(lambda x: x)
-gradient_replicated_p.def_abstract_eval(lambda x: x)
-mlir.register_lowering(gradient_replicated_p,
-                       mlir.lower_fun(lambda x: x, multiple_results=False))
-ad.deflinear2(gradient_replicated_p, lambda ct, x: [replicated_p.bind(ct)])
-batching.primitive_batchers[gradient_replicated_p] = (
-    lambda args, dims: (gradient_replicated_p.bind(*args), dims[0]))
+replicated_p = _compat.identity_primitive("jaxmirror_replicated", lambda ct: ct)
+gradient_replicated_p = _compat.identity_primitive("jaxmirror_gradient_replicated",
+                                                   lambda ct: replicated_p.bind(ct))
 
 
 def mark_gradient_replicated(x):

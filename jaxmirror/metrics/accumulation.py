@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
-from jaxmirror.core import context
+from jaxmirror.core import _compat, context
 from jaxmirror.variables import state
 from jaxmirror.variables.distributed import SyncOnReadVariable
 
@@ -55,7 +54,7 @@ def add_to(api: str, variables, deltas) -> None:
         for v, d in zip(variables, deltas):
             v.assign_add(d)
         return
-    if any(isinstance(d, jax.core.Tracer) for d in deltas):
+    if any(map(_compat.is_tracer, deltas)):
         raise RuntimeError(
             f"{api}: called on traced values outside `strategy.run` (inside your own jax.jit, "
             f"jax.grad or lax loop?), where the metric's update would be lost; call it in the "

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from flax.nnx.nn import dtypes
 from jax import lax
 
+from jaxmirror.core import _compat
 from jaxmirror.core.context import get_replica_context
 from jaxmirror.core.reduce_op import ReduceOp
 from jaxmirror.step.replica_context import row_mask
@@ -175,7 +175,7 @@ def normalize(x, mean, var, scale, bias, reduction_axes, feature_axes, dtype, ep
     if bias is not None:
         y += bias.reshape(feature_shape)
         args.append(bias)
-    return jnp.asarray(y, dtypes.canonicalize_dtype(*args, dtype=dtype))
+    return jnp.asarray(y, _compat.layer_dtype(*args, dtype=dtype))
 
 
 def moving_average(average, statistic, momentum):

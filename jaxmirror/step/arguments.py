@@ -473,7 +473,7 @@ def _argument_at(path, first: int) -> tuple:
 
 def _misplaced(x, placement) -> bool:
     # Uncommitted arrays (made without a device) go wherever jax.jit puts them.
-    return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed
+    return (isinstance(x, jax.Array) and not _compat.is_tracer(x) and x.committed
             and x.sharding.device_set != placement.device_set)
 
 
@@ -568,7 +568,7 @@ def mirror_misplaced(placement, args, kwargs, donate_argnums: tuple = ()):
 
 def _check_components(x, placement, name: str) -> None:
     stacked = x.stacked
-    if isinstance(stacked, jax.core.Tracer) or not isinstance(stacked, jax.Array):
+    if _compat.is_tracer(stacked) or not isinstance(stacked, jax.Array):
         return
     if (stacked.shape[0] != placement.num_replicas
             or stacked.sharding.device_set != placement.device_set):

@@ -215,7 +215,7 @@ class Compiled:
         while getattr(user, "user_function_ref", None) is not None:
             user = user.user_function_ref()
         graphs.check_constants(user, traced.jaxpr, program.__name__)
-        cacheable = not any(_compat.is_tracer(c) for c in traced.jaxpr.consts)
+        cacheable = not any(map(_compat.is_tracer, _compat.jaxpr_constants(traced.jaxpr)))
         if traced.adopted:  # the next call passes them: keep the trace for that call
             positions, variables, captured = resolved or ((), (), ())
             n_bound = n_args + len(captured)
@@ -365,8 +365,8 @@ def trace_replica(strategy, fn, in_tree, n_args, local, bound, padded=(),
     )(*avals)
     if candidates:
         adopted = set(map(id, found["adopted"]))
-        traced = _drop_inputs(traced, {n_bound + j for j, v in enumerate(candidates)
-                                       if id(v) not in adopted})
+        unused = {n_bound + j for j, v in enumerate(candidates) if id(v) not in adopted}
+        traced = _compat.shard_map_without_inputs(traced, unused)
     sources = rows.row_sources(traced, padded)
     # Once per trace: a hand-written mean over padded rows fed to a collective (padding_check).
     warning = padding_check.padded_rows_warning(traced, padded, placement.axis_name)
@@ -432,7 +432,8 @@ def fingerprint(traced: Traced) -> str:
     """
     jaxpr = traced.jaxpr
     shapes = ", ".join(a.str_short() for a in jaxpr.in_avals) or "no inputs"
-    digest = hashlib.sha1(f"{jaxpr.jaxpr}|{jaxpr.out_avals}".encode()).hexdigest()[:12]
+    program = f"{_compat.open_jaxpr(jaxpr)}|{jaxpr.out_avals}"
+    digest = hashlib.sha1(program.encode()).hexdigest()[:12]
     return f"inputs ({shapes}), program {digest}"
 
 
@@ -450,21 +451,18 @@ def local_key(var) -> tuple:
     return _compat.local_abstract_key(held.stacked if stacked else held, stacked)
 
 
-def _drop_inputs(closed, drop: set):
-    """``closed`` (one ``shard_map``) without the inputs at positions ``drop``, which it does
-    not use (candidate variables the step never touched)."""
-    outer = closed.jaxpr
+def _shard_map_operands(traced: Traced, flat: list, stacked: tuple) -> tuple:
+    """The trace's one ``shard_map`` equation, its operands (fed by the trace's constants and
+    the flat inputs) and, per operand, whether it is replica-stacked."""
+    outer = _compat.open_jaxpr(traced.jaxpr)
     (eqn,) = outer.eqns
-    gone = {id(v) for i, v in enumerate(outer.invars) if i in drop}
-    keep = [isinstance(v, _compat.Literal) or id(v) not in gone for v in eqn.invars]
-    inner = eqn.params["jaxpr"]
-    inner = inner.replace(invars=[v for v, k in zip(inner.invars, keep) if k])
-    params = dict(eqn.params, jaxpr=inner,
-                  in_specs=tuple(s for s, k in zip(eqn.params["in_specs"], keep) if k))
-    eqn = eqn.replace(invars=[v for v, k in zip(eqn.invars, keep) if k], params=params)
-    outer = outer.replace(invars=[v for i, v in enumerate(outer.invars) if i not in drop],
-                          eqns=[eqn])
-    return closed.replace(jaxpr=outer)
+    env = dict(zip(outer.constvars, _compat.jaxpr_constants(traced.jaxpr)))
+    env.update(zip(outer.invars, flat))
+    is_stacked = dict(zip(outer.invars, stacked))
+    operands = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
+    op_stacked = [not isinstance(v, _compat.Literal) and is_stacked.get(v, False)
+                  for v in eqn.invars]
+    return eqn, operands, op_stacked
 
 
 def run_op_by_op(traced: Traced, flat: list, stacked: tuple, placement) -> list:
@@ -484,14 +482,9 @@ def run_op_by_op(traced: Traced, flat: list, stacked: tuple, placement) -> list:
     Returns:
         The outputs, each stacked over the replicas (only its errors matter to JAX).
     """
-    (eqn,) = traced.jaxpr.jaxpr.eqns
-    env = dict(zip(traced.jaxpr.jaxpr.constvars, traced.jaxpr.consts))
-    env.update(zip(traced.jaxpr.jaxpr.invars, flat))
-    is_stacked = dict(zip(traced.jaxpr.jaxpr.invars, stacked))
-    operands = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
-    axes = [0 if not isinstance(v, _compat.Literal) and is_stacked.get(v, False) else None
-            for v in eqn.invars]
-    inner = eqn.params["jaxpr"]
+    eqn, operands, op_stacked = _shard_map_operands(traced, flat, stacked)
+    axes = [0 if s else None for s in op_stacked]
+    inner = _compat.shard_map_body(eqn)
 
     def body(*ops):  # jaxpr_as_fun would turn the NaN checks off
         return _compat.eval_jaxpr(inner, (), *ops)
@@ -521,14 +514,8 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int,
         ``PerReplica`` for the others (with row counts for those holding a padded batch's
         rows); the indices of the results summed, and their sums.
     """
-    (eqn,) = traced.jaxpr.jaxpr.eqns  # the shard_map, fed by consts and our flat inputs
-    env = dict(zip(traced.jaxpr.jaxpr.constvars, traced.jaxpr.consts))
-    env.update(zip(traced.jaxpr.jaxpr.invars, flat))
-    is_stacked = dict(zip(traced.jaxpr.jaxpr.invars, stacked))
-    operands = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
-    op_stacked = [not isinstance(v, _compat.Literal) and is_stacked.get(v, False)
-                  for v in eqn.invars]
-    inner = eqn.params["jaxpr"]
+    eqn, operands, op_stacked = _shard_map_operands(traced, flat, stacked)
+    inner = _compat.shard_map_body(eqn)
     if placement.num_replicas > 1:
         analysed = replication.analyse(inner, op_stacked)
         out_varying = [a or f for a, f in zip(analysed, traced.force_varying)]
@@ -537,7 +524,7 @@ def emit(traced: Traced, flat: list, stacked: tuple, placement, n_counts: int,
                                  traced.mirrored_writes)
     else:
         out_varying = [False] * len(inner.outvars)
-    body = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(inner, ()))
+    body = _compat.jaxpr_as_fun(_compat.close_jaxpr(inner))
     n_out = len(out_varying)
     n_results = n_out - len(traced.written)  # the variables' new arrays follow the results
     limit = n_results if reductions is None or reductions[2] is None else reductions[2]

@@ -24,7 +24,6 @@ import sysconfig
 
 import jax
 from flax import nnx
-from flax.nnx import graphlib
 
 from jaxmirror.core import _compat, context
 from jaxmirror.core.values import is_distributed
@@ -46,7 +45,7 @@ def is_graph_node(x) -> bool:
         >>> is_graph_node(nnx.Linear(2, 1, rngs=nnx.Rngs(0))), is_graph_node({"w": 1})
         (True, False)
     """
-    return graphlib.is_graph_node(x) and not isinstance(x, nnx.Variable)
+    return _compat.is_graph_node(x) and not isinstance(x, nnx.Variable)
 
 
 def _graph_or_distributed(x) -> bool:
@@ -206,7 +205,7 @@ def _search(fn, found: dict, seen: set, depth: int) -> None:
             fn = fn.__wrapped__
         else:
             break
-    if graphlib.is_graph_node(fn):  # a module called as the step: `strategy.run(model, ...)`
+    if _compat.is_graph_node(fn):  # a module called as the step: `strategy.run(model, ...)`
         _note("the step itself", fn, found)
         return
     if inspect.ismethod(fn):
@@ -263,13 +262,13 @@ def _global_names(code) -> set:
 
 def _note(name: str, value, found: dict) -> None:
     """Record ``value``, or the NNX objects inside a plain container of it (bounded)."""
-    if graphlib.is_graph_node(value):
+    if _compat.is_graph_node(value):
         found.setdefault(id(value), (name, value))
         return
     if not isinstance(value, (list, tuple, dict)):
         if _plain_object(value):  # `trainer.model`, a SimpleNamespace of objects
             for attr, child in list(vars(value).items())[:_MAX_ITEMS]:
-                if graphlib.is_graph_node(child):
+                if _compat.is_graph_node(child):
                     found.setdefault(id(child), (f"{name}.{attr}", child))
         return
     stack, visited, budget = [value], set(), _MAX_ITEMS
@@ -280,7 +279,7 @@ def _note(name: str, value, found: dict) -> None:
         visited.add(id(item))
         for child in (item.values() if isinstance(item, dict) else item):
             budget -= 1
-            if graphlib.is_graph_node(child):
+            if _compat.is_graph_node(child):
                 found.setdefault(id(child), (name, child))
             elif isinstance(child, (list, tuple, dict)):
                 stack.append(child)
@@ -297,7 +296,7 @@ def _plain_object(value) -> bool:
 
 def _note_attributes(name: str, obj, found: dict) -> None:
     """``obj`` itself, or the NNX objects among its attributes (``self.model``)."""
-    if graphlib.is_graph_node(obj):
+    if _compat.is_graph_node(obj):
         _note(name, obj, found)
         return
     for attr, value in list(getattr(obj, "__dict__", {}).items())[:_MAX_ITEMS]:

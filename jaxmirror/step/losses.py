@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmirror.core import context
+from jaxmirror.core import _compat, context
 from jaxmirror.step.replica_context import padded_batch, row_mask
 
 
@@ -20,7 +20,7 @@ def _match_rank(weight, rank: int):
 
 
 def _check_global_batch_size(global_batch_size) -> None:
-    traced = isinstance(global_batch_size, jax.core.Tracer)
+    traced = _compat.is_tracer(global_batch_size)
     # np, not jnp: inside `run` jnp.asarray(10) would be traced and could not be compared.
     gbs = jax.typeof(global_batch_size) if traced else np.asarray(global_batch_size)
     if gbs.ndim != 0 or gbs.dtype == bool or not np.issubdtype(gbs.dtype, np.integer):

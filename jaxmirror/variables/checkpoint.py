@@ -13,9 +13,8 @@ import os
 import jax
 import numpy as np
 from flax import nnx
-from flax.nnx import graphlib
 
-from jaxmirror.core import context
+from jaxmirror.core import _compat, context
 from jaxmirror.core.checkpointable import Checkpointable
 from jaxmirror.runtime import ledger
 from jaxmirror.variables import checkpoint_files as files
@@ -261,15 +260,15 @@ def restore_into(target, saved):
 def _nnx_updated_in_place(target, restored):
     """``restored`` with the NNX objects of ``target`` given their restored state in place (as
     variables are assigned in place: TF's ``Checkpoint.restore`` habit), not as new copies."""
-    target_nodes = jax.tree.leaves(target, is_leaf=graphlib.is_graph_node)
-    if not any(map(graphlib.is_graph_node, target_nodes)):
+    target_nodes = jax.tree.leaves(target, is_leaf=_compat.is_graph_node)
+    if not any(map(_compat.is_graph_node, target_nodes)):
         return restored
-    restored_nodes, tree = jax.tree.flatten(restored, is_leaf=graphlib.is_graph_node)
+    restored_nodes, tree = jax.tree.flatten(restored, is_leaf=_compat.is_graph_node)
     out = []
     for old, new in zip(target_nodes, restored_nodes):
         if isinstance(old, nnx.Variable):
             old.set_value(new.get_value())
-        elif graphlib.is_graph_node(old):
+        elif _compat.is_graph_node(old):
             nnx.update(old, nnx.state(new))
         else:
             old = new

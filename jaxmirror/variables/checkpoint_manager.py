@@ -18,9 +18,8 @@ import re
 import jax
 import numpy as np
 from flax import nnx
-from flax.nnx import graphlib
 
-from jaxmirror.core import context
+from jaxmirror.core import _compat, context
 from jaxmirror.core.checkpointable import Checkpointable
 from jaxmirror.runtime import ledger
 from jaxmirror.variables import checkpoint as ckpt
@@ -94,15 +93,15 @@ def _check_leaves(tree, api: str, what: str, in_place: bool = False) -> None:
     """Raise ``TypeError`` for a leaf a checkpoint cannot hold (or, ``in_place``, one that a
     restore cannot update in place)."""
     def opaque(x):
-        return leaves.is_leaf(x) or isinstance(x, Checkpointable) or graphlib.is_graph_node(x)
+        return leaves.is_leaf(x) or isinstance(x, Checkpointable) or _compat.is_graph_node(x)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=opaque)[0]:
         if in_place and not (isinstance(leaf, (Variable, VariableHandle, Checkpointable,
-                                                nnx.Variable)) or graphlib.is_graph_node(leaf)):
+                                                nnx.Variable)) or _compat.is_graph_node(leaf)):
             raise TypeError(f"{api}: {what} holds a {type(leaf).__name__} at "
                             f"{leaves.where(path)}, which a restore cannot update in place; "
                             f"track a jaxmirror.Variable, a flax NNX object or a "
                             f"Checkpointable.")
-        if graphlib.is_graph_node(leaf) or isinstance(leaf, (Checkpointable, nnx.Variable)):
+        if _compat.is_graph_node(leaf) or isinstance(leaf, (Checkpointable, nnx.Variable)):
             continue
         try:
             leaves.target_shape_dtype(path, leaf)

@@ -23,8 +23,7 @@ def sub_jaxprs(eqn) -> list:
     Returns:
         A list of ``Jaxpr``s.
     """
-    return [j.jaxpr if isinstance(j, _compat.ClosedJaxpr) else j
-            for j in _compat.jaxprs_in_params(eqn.params)]
+    return [_compat.open_jaxpr(j) for j in _compat.eqn_jaxprs(eqn)]
 
 
 def all_constants(closed) -> list:
@@ -44,16 +43,12 @@ def all_constants(closed) -> list:
         >>> len(all_constants(jax.make_jaxpr(lambda x: jax.jit(lambda y: y + c)(x))(1.0)))
         1
     """
-    out, stack = list(closed.consts), [closed.jaxpr]
+    out, stack = _compat.jaxpr_constants(closed), [_compat.open_jaxpr(closed)]
     while stack:
         for eqn in stack.pop().eqns:
-            for param in eqn.params.values():
-                for sub in (param if isinstance(param, (tuple, list)) else (param,)):
-                    if isinstance(sub, _compat.ClosedJaxpr):
-                        out += sub.consts
-                        stack.append(sub.jaxpr)
-                    elif isinstance(sub, _compat.Jaxpr):
-                        stack.append(sub)
+            for sub in _compat.eqn_jaxprs(eqn):
+                out += _compat.jaxpr_constants(sub)
+                stack.append(_compat.open_jaxpr(sub))
     return out
 
 

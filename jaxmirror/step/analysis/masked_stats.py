@@ -38,10 +38,9 @@ class Flow(NamedTuple):
 
 
 NOTHING = Flow(False, False, False, False, None)
-# The sums across replicas, and the parameter naming their axes.
-_SUMS = {lax.psum_p: "axes", _compat.psum_invariant_p: "axes", _compat.reduce_scatter_p:
-         "axis_name", lax.all_gather_p: "axis_name", lax.all_to_all_p: "axis_name",
-         lax.ppermute_p: "axis_name"}
+# The sums across replicas (and the gathers and sends that end in one).
+_SUMS = (lax.psum_p, _compat.psum_invariant_p, _compat.reduce_scatter_p, lax.all_gather_p,
+         lax.all_to_all_p, lax.ppermute_p)
 
 
 def _package_dir(name: str) -> str:
@@ -116,10 +115,9 @@ def _mul(eqn, ins):
 
 @ANALYSIS.register(*_SUMS)
 def _sum_across(eqn, ins):
-    axes = eqn.params[_SUMS[eqn.primitive]]
     axis, found = _STATE.get()
     quotient = next((f.quotient for f in ins if f.quotient), None)
-    if quotient is not None and axis in (axes if isinstance(axes, (tuple, list)) else (axes,)):
+    if quotient is not None and axis in _compat.collective_axes(eqn):
         found.append((f"{eqn.primitive.name} of the masked mean at {quotient[0]}", quotient[1]))
     return _outs(eqn, ins, quotient=None, count=False)
 

@@ -60,11 +60,10 @@ NOTHING = Flow(None, False, None)
 # How findings start that are not "<collective> at ... of <reduction> at ...".
 GATHERED = "the padded rows gathered by "
 RETURNED = "a result of the step: "
-# Collectives that sum (or gather or send, to be summed) across replicas, and the parameter
-# naming their axes. The sends are how ``ReductionToOneDevice`` and a narrower wire dtype sum.
-COLLECTIVES = {lax.psum_p: "axes", _compat.psum_invariant_p: "axes",
-               lax.all_gather_p: "axis_name", _compat.reduce_scatter_p: "axis_name",
-               lax.ppermute_p: "axis_name", lax.all_to_all_p: "axis_name"}
+# Collectives that sum (or gather or send, to be summed) across replicas. The sends are how
+# ``ReductionToOneDevice`` and a narrower wire dtype sum.
+COLLECTIVES = (lax.psum_p, _compat.psum_invariant_p, lax.all_gather_p, _compat.reduce_scatter_p,
+               lax.ppermute_p, lax.all_to_all_p)
 # Source lines are named by the first frame outside these packages (jax, jaxlib, jaxmirror).
 _INTERNAL = tuple(os.path.dirname(path) + os.sep
                   for path in (jax.__file__, jaxlib.__file__, os.path.dirname(__file__)))
@@ -133,17 +132,17 @@ ANALYSIS = Analysis(constant=NOTHING, unknown=_any_other)
 @ANALYSIS.register(lax.reduce_sum_p, lax.reduce_prod_p, lax.cumsum_p, lax.cumprod_p,
                    lax.cumlogsumexp_p)
 def _sum(eqn, ins):
-    t, p = ins[0].rows, eqn.params
+    t = ins[0].rows
     # A forward cumsum's real row i sums rows <= i, all real (padding comes last); reversed,
     # it sums the padding too.
-    over = t is not None and (t[1] in p["axes"] if "axes" in p
-                              else t[1] == p["axis"] and p["reverse"])
+    over = t is not None and t[1] in _compat.op_axes(eqn) and (
+        eqn.primitive in (lax.reduce_sum_p, lax.reduce_prod_p) or _compat.cumulative_reverse(eqn))
     return _outs(eqn, ins, _row_tags(eqn, ins), over)
 
 
 @ANALYSIS.register(lax.dot_general_p)
 def _dot_general(eqn, ins):
-    contracting = eqn.params["dimension_numbers"][0]
+    contracting = _compat.dot_dimensions(eqn)[0]
     over = any(f.rows is not None and f.rows[1] in c for f, c in zip(ins, contracting))
     return _outs(eqn, ins, _row_tags(eqn, ins), over)
 
@@ -153,9 +152,9 @@ def _conv(eqn, ins):
     # rows.py has no rule for convolutions; a CNN's BatchNorm follows one. The lhs's batch
     # axis goes to the output's; as the lhs's or rhs's feature axis (a weight gradient) it is
     # summed over.
-    dn, p = eqn.params["dimension_numbers"], eqn.params
+    dn, batch_groups = _compat.conv_dimensions(eqn)
     lhs, rhs = ins[0].rows, ins[1].rows
-    if lhs is not None and lhs[1] == dn.lhs_spec[0] and p["batch_group_count"] == 1:
+    if lhs is not None and lhs[1] == dn.lhs_spec[0] and batch_groups == 1:
         return _outs(eqn, ins, [(lhs[0], dn.out_spec[0])])
     over = ((lhs is not None and lhs[1] in dn.lhs_spec[:2])
             or (rhs is not None and rhs[1] == dn.rhs_spec[1]))
@@ -171,10 +170,9 @@ def _reduce(eqn, ins):
 
 @ANALYSIS.register(*COLLECTIVES)
 def _collective(eqn, ins):
-    axes = eqn.params[COLLECTIVES[eqn.primitive]]
     axis, found = _STATE.get()
     bad = next((f.unmasked for f in ins if f.unmasked), None)
-    over_replicas = axis in (axes if isinstance(axes, (tuple, list)) else (axes,))
+    over_replicas = axis in _compat.collective_axes(eqn)
     if bad is not None and over_replicas:
         found.append(f"{eqn.primitive.name} at {_where(eqn)} of {bad}")
     elif (eqn.primitive is lax.all_gather_p and over_replicas
@@ -199,8 +197,7 @@ def _fixed_point(carry: list, step) -> list:
 
 @ANALYSIS.register(lax.scan_p)
 def _scan(eqn, ins):
-    p = eqn.params
-    nc, ncarry, body = p["num_consts"], p["num_carry"], p["jaxpr"].jaxpr
+    body, nc, ncarry = _compat.scan_parts(eqn)
     consts, carry = ins[:nc], ins[nc:nc + ncarry]
     # The body sees one slice of xs: their axis 0 goes (with rows along it), the others move up.
     xs = [_shifted(f, -1) for f in ins[nc + ncarry:]]
@@ -210,22 +207,21 @@ def _scan(eqn, ins):
 
 @ANALYSIS.register(lax.while_p)
 def _while(eqn, ins):
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cond, body, cn, bn = _compat.while_parts(eqn)
     cconsts, bconsts = ins[:cn], ins[cn:cn + bn]
 
     def step(carry):
         # A loop stopped by the row counts makes everything it carries depend on them.
-        stop = ANALYSIS.analyse(p["cond_jaxpr"].jaxpr, cconsts + carry)[0].masked
+        stop = ANALYSIS.analyse(cond, cconsts + carry)[0].masked
         return [f._replace(masked=f.masked or stop)
-                for f in ANALYSIS.analyse(p["body_jaxpr"].jaxpr, bconsts + carry)]
+                for f in ANALYSIS.analyse(body, bconsts + carry)]
 
     return _fixed_point(ins[cn + bn:], step)
 
 
 @ANALYSIS.register(lax.cond_p)
 def _cond(eqn, ins):
-    per_branch = [ANALYSIS.analyse(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+    per_branch = [ANALYSIS.analyse(b, ins[1:]) for b in _compat.cond_branches(eqn)]
     outs = [functools.reduce(_join, col) for col in zip(*per_branch)]
     return [f._replace(masked=f.masked or ins[0].masked) for f in outs]
 
@@ -306,14 +302,15 @@ def padded_rows_warning(traced, padded: tuple, axis_name) -> PaddedRowsWarning |
     """
     if not padded:
         return None
-    (eqn,) = traced.jaxpr.eqns
-    outer = traced.jaxpr.invars
+    outer_jaxpr = _compat.open_jaxpr(traced)
+    (eqn,) = outer_jaxpr.eqns
+    outer = outer_jaxpr.invars
     batch_of = {outer[pos]: k for k, pos in enumerate(padded)}
     counts = set(outer[len(outer) - len(padded):])
     names = [None if isinstance(v, _compat.Literal) else v for v in eqn.invars]
     places: dict = {}
     found = unmasked_row_reductions(
-        eqn.params["jaxpr"], {i: batch_of[v] for i, v in enumerate(names) if v in batch_of},
+        _compat.shard_map_body(eqn), {i: batch_of[v] for i, v in enumerate(names) if v in batch_of},
         [i for i, v in enumerate(names) if v in counts], axis_name, places)
     if not found:  # nothing counts the padding: a flax layer may still weigh replicas alike
         return _per_replica_means_warning(eqn, names, batch_of, counts, axis_name)
@@ -346,7 +343,7 @@ def _per_replica_means_warning(eqn, names, batch_of, counts, axis_name):
     """``masked_stats``' warning (flax's BatchNorm masked by ``batch_mask``), or ``None``."""
     places: dict = {}
     found = masked_stats.per_replica_means(
-        eqn.params["jaxpr"], [i for i, v in enumerate(names) if v in batch_of],
+        _compat.shard_map_body(eqn), [i for i, v in enumerate(names) if v in batch_of],
         [i for i, v in enumerate(names) if v in counts], axis_name, places)
     if not found:
         return None

@@ -41,7 +41,7 @@ ANALYSIS = Analysis(constant=False, unknown=_conservative, strict=True)
 
 @ANALYSIS.register(*REPLICATING)
 def _replicating(eqn, ins):
-    if eqn.params.get("axis_index_groups") is not None:  # reduces within groups only
+    if _compat.collective_groups(eqn) is not None:  # reduces within groups only
         return _conservative(eqn, ins)
     return [False] * len(eqn.outvars)
 
@@ -53,9 +53,7 @@ def _varying(eqn, ins):
 
 @ANALYSIS.register(lax.scan_p)
 def _scan(eqn, ins):
-    p = eqn.params
-    nc, ncarry = p["num_consts"], p["num_carry"]
-    body = p["jaxpr"].jaxpr
+    body, nc, ncarry = _compat.scan_parts(eqn)
     consts, carry, xs = ins[:nc], ins[nc:nc + ncarry], ins[nc + ncarry:]
     while True:  # to a fixed point: a carry varies once any iteration makes it vary
         outs = analyse(body, consts + carry + xs)
@@ -67,14 +65,13 @@ def _scan(eqn, ins):
 
 @ANALYSIS.register(lax.while_p)
 def _while(eqn, ins):
-    p = eqn.params
-    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    cond, body, cn, bn = _compat.while_parts(eqn)
     cconsts, bconsts, carry = ins[:cn], ins[cn:cn + bn], ins[cn + bn:]
     while True:
-        if analyse(p["cond_jaxpr"].jaxpr, cconsts + carry)[0]:
+        if analyse(cond, cconsts + carry)[0]:
             # Replicas may run different numbers of iterations.
             return [True] * len(carry)
-        outs = analyse(p["body_jaxpr"].jaxpr, bconsts + carry)
+        outs = analyse(body, bconsts + carry)
         new = [a or b for a, b in zip(carry, outs)]
         if new == carry:
             return carry
@@ -85,7 +82,7 @@ def _while(eqn, ins):
 def _cond(eqn, ins):
     if ins[0]:  # replicas may take different branches
         return [True] * len(eqn.outvars)
-    per_branch = [analyse(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+    per_branch = [analyse(b, ins[1:]) for b in _compat.cond_branches(eqn)]
     return [any(col) for col in zip(*per_branch)]
 
 

@@ -76,7 +76,7 @@ def _broadcast_in_dim(eqn, tags):
     t = tags[0]
     if t is None:
         return [None]
-    b = eqn.params["broadcast_dimensions"][t[1]]
+    b = _compat.broadcast_dimensions(eqn)[t[1]]
     same = _shape(eqn.invars[0])[t[1]] == _shape(eqn.outvars[0])[b]
     return [_moved(t, b if same else None)]
 
@@ -99,13 +99,13 @@ def _transpose(eqn, tags):
     t = tags[0]
     if t is None:
         return [None]
-    return [_moved(t, list(eqn.params["permutation"]).index(t[1]))]
+    return [_moved(t, _compat.transpose_permutation(eqn).index(t[1]))]
 
 
 @ANALYSIS.register(lax.squeeze_p)
 def _squeeze(eqn, tags):
     t = tags[0]
-    dims = eqn.params["dimensions"]
+    dims = _compat.op_axes(eqn)
     if t is None or t[1] in dims:
         return [None]
     return [_moved(t, t[1] - sum(d < t[1] for d in dims))]
@@ -114,7 +114,7 @@ def _squeeze(eqn, tags):
 @ANALYSIS.register(*REDUCTIONS)
 def _reduction(eqn, tags):
     t = tags[0]
-    axes = eqn.params["axes"]
+    axes = _compat.op_axes(eqn)
     if t is None or t[1] in axes:
         return [None] * len(eqn.outvars)
     return [_moved(t, t[1] - sum(a < t[1] for a in axes))] * len(eqn.outvars)
@@ -124,14 +124,14 @@ def _reduction(eqn, tags):
 def _cumulative(eqn, tags):
     t = tags[0]
     # Along the rows, real row i depends only on rows <= i, all real (padding comes last).
-    if t is not None and t[1] == eqn.params["axis"] and eqn.params.get("reverse", False):
+    if t is not None and t[1] in _compat.op_axes(eqn) and _compat.cumulative_reverse(eqn):
         return [None]
     return [t]
 
 
 @ANALYSIS.register(lax.dot_general_p)
 def _dot_general(eqn, tags):
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = _compat.dot_dimensions(eqn)
     lhs_rank, rhs_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
     lhs_free = [d for d in range(lhs_rank) if d not in lc and d not in lb]
     rhs_free = [d for d in range(rhs_rank) if d not in rc and d not in rb]
@@ -153,26 +153,25 @@ def _whole_axis(eqn, tags, axis_kept):
 
 @ANALYSIS.register(lax.slice_p)
 def _slice(eqn, tags):
-    p, shape = eqn.params, _shape(eqn.invars[0])
-    return _whole_axis(eqn, tags, lambda a: p["start_indices"][a] == 0
-                       and p["limit_indices"][a] == shape[a]
-                       and (p["strides"] is None or p["strides"][a] == 1))
+    (start, limit, strides), shape = _compat.slice_bounds(eqn), _shape(eqn.invars[0])
+    return _whole_axis(eqn, tags, lambda a: start[a] == 0 and limit[a] == shape[a]
+                       and (strides is None or strides[a] == 1))
 
 
 @ANALYSIS.register(lax.dynamic_slice_p)
 def _dynamic_slice(eqn, tags):
     shape = _shape(eqn.invars[0])
-    return _whole_axis(eqn, tags, lambda a: eqn.params["slice_sizes"][a] == shape[a])
+    return _whole_axis(eqn, tags, lambda a: _compat.slice_sizes(eqn)[a] == shape[a])
 
 
 @ANALYSIS.register(lax.pad_p)
 def _pad(eqn, tags):
-    return _whole_axis(eqn, tags, lambda a: tuple(eqn.params["padding_config"][a]) == (0, 0, 0))
+    return _whole_axis(eqn, tags, lambda a: _compat.padding_config(eqn)[a] == (0, 0, 0))
 
 
 @ANALYSIS.register(lax.concatenate_p)
 def _concatenate(eqn, tags):
-    dim = eqn.params["dimension"]
+    (dim,) = _compat.op_axes(eqn)
     for t in tags:
         if t is not None:
             return [t if t[1] != dim else None]
@@ -182,7 +181,7 @@ def _concatenate(eqn, tags):
 @ANALYSIS.register(lax.gather_p)
 def _gather(eqn, tags):
     """Row-wise indexing (``take_along_axis``, an embedding lookup by per-row ids) keeps rows."""
-    dn = eqn.params["dimension_numbers"]
+    dn = _compat.gather_dimensions(eqn)
     out_rank = len(_shape(eqn.outvars[0]))
     batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
     index_rank = len(_shape(eqn.invars[1]))
@@ -204,25 +203,21 @@ def _first_tag(tags):
 
 @ANALYSIS.register(lax.stack_p)
 def _stack(eqn, tags):
-    t, axis = _first_tag(tags), eqn.params["axis"]
+    t, (axis,) = _first_tag(tags), _compat.op_axes(eqn)
     return [None if t is None else _moved(t, t[1] + (t[1] >= axis))]
 
 
-def _along(param, many=False):
+def _along(eqn, tags):
     """Ops working along one axis (or several): rows survive unless it is the row axis."""
-    def rule(eqn, tags):
-        t = _first_tag(tags)
-        axes = eqn.params[param]
-        axes = tuple(axes) if many else (axes,)
-        return [None if t is None or t[1] in axes else t] * len(eqn.outvars)
-    return rule
+    t = _first_tag(tags)
+    return [None if t is None or t[1] in _compat.op_axes(eqn) else t] * len(eqn.outvars)
 
 
 def _gather_offset(eqn, operand):
     """A row axis the gather keeps whole (a slice of every row): its place among offset_dims."""
-    dn = eqn.params["dimension_numbers"]
+    dn = _compat.gather_dimensions(eqn)
     a = operand[1]
-    full = eqn.params["slice_sizes"][a] == _shape(eqn.invars[0])[a]
+    full = _compat.slice_sizes(eqn)[a] == _shape(eqn.invars[0])[a]
     if not full or a in dn.collapsed_slice_dims or a in dn.operand_batching_dims:
         return None
     kept = [d for d in range(len(_shape(eqn.invars[0])))
@@ -233,7 +228,7 @@ def _gather_offset(eqn, operand):
 @ANALYSIS.register(*SCATTERS)
 def _scatter(eqn, tags):
     t = tags[0]
-    dn = eqn.params["dimension_numbers"]
+    dn = _compat.scatter_dimensions(eqn)
     if t is None or t[1] in dn.scatter_dims_to_operand_dims:
         return [None]
     return [t]  # rows of the operand written elsewhere along other axes: still its rows
@@ -241,14 +236,11 @@ def _scatter(eqn, tags):
 
 @ANALYSIS.register(lax.cond_p)
 def _cond(eqn, tags):
-    per_branch = [analyse(b.jaxpr, tags[1:]) for b in eqn.params["branches"]]
+    per_branch = [analyse(b, tags[1:]) for b in _compat.cond_branches(eqn)]
     return [col[0] if all(c == col[0] for c in col) else None for col in zip(*per_branch)]
 
 
-ANALYSIS.register(lax.split_p)(_along("axis"))
-ANALYSIS.register(lax.sort_p)(_along("dimension"))
-ANALYSIS.register(lax.top_k_p)(_along("axis"))
-ANALYSIS.register(lax.rev_p)(_along("dimensions", True))
+ANALYSIS.register(lax.split_p, lax.sort_p, lax.top_k_p, lax.rev_p)(_along)
 # Loops are not calls: a scan body sees one row at a time, a while body the carry.
 ANALYSIS.register(lax.scan_p, lax.while_p)(_none)
 
@@ -283,11 +275,12 @@ def row_sources(traced, padded: tuple) -> list:
     Returns:
         One ``None`` or batch index per output of the ``shard_map`` body.
     """
-    (eqn,) = traced.jaxpr.eqns
-    inner = eqn.params["jaxpr"]
+    outer = _compat.open_jaxpr(traced)
+    (eqn,) = outer.eqns
+    inner = _compat.shard_map_body(eqn)
     if not padded:
         return [None] * len(inner.outvars)
-    batch_of = {traced.jaxpr.invars[pos]: k for k, pos in enumerate(padded)}
+    batch_of = {outer.invars[pos]: k for k, pos in enumerate(padded)}
     tags = [None if isinstance(v, _compat.Literal) or v not in batch_of else (batch_of[v], 0)
             for v in eqn.invars]
     return [None if t is None or t[1] != 0 else t[0] for t in analyse(inner, tags)]
