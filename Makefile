@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test docs docs-check bench clean
+.PHONY: install demo test test-gpu docs docs-check bench clean
 
 install: $(STAMP)
 
@@ -20,6 +20,12 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The GPU test set (tests_gpu/) on the machine's GPUs, against plain JAX on the first one; every
+# test is skipped, with a message, where JAX finds no GPU (install '.[cuda13]' or '.[cuda12]').
+# JAXMIRROR_GPU_SET_PLATFORM=cpu runs it on simulated CPU devices instead.
+test-gpu: install
+	$(PY) -m pytest -q tests_gpu
 
 # The documentation (docs/: Markdown pages, the API reference from the docstrings), built
 # offline into build/docs/index.html; any Sphinx warning fails it.

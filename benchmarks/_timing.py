@@ -1,10 +1,12 @@
-"""What the benchmark scripts share: the MLP they time and the timing loops.
+"""What the benchmark scripts share: the MLP they time, the timing loops, the machine line and
+the agreement checks (``check_close``: bit for bit on CPU, a stated tolerance on a GPU).
 
-Import it after the script has set ``XLA_FLAGS`` (it imports JAX).
+Import it after ``_platform.simulated_cpu_devices`` (it imports JAX).
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import gc
 import os
@@ -187,15 +189,110 @@ def devices_and_models(ap, devices: str, model_names: str, models_table, flag: s
     for m in models:
         if m not in models_table:
             ap.error(f"unknown model {m!r}; choose from {sorted(models_table)}")
-    if max(ns) > jax.device_count():
-        print(f"need {max(ns)} devices, JAX has {jax.device_count()}: XLA_FLAGS must be set before "
-              f"JAX starts (this script sets {flag}).", file=sys.stderr)
+    problem = too_few_devices(max(ns), flag)
+    if problem:
+        print(problem, file=sys.stderr)
         return None
     return ns, models
 
 
+def too_few_devices(needed: int, flag: str) -> str | None:
+    """What to tell the user when JAX has fewer than ``needed`` devices, or None.
+
+    Args:
+        needed: the most devices the run asks for.
+        flag: the ``XLA_FLAGS`` setting the script made (for simulated CPU devices).
+
+    Returns:
+        The message, or None when JAX has enough devices.
+    """
+    have = jax.device_count()
+    if needed <= have:
+        return None
+    if jax.default_backend() == "cpu":
+        return (f"need {needed} devices, JAX has {have}: XLA_FLAGS must be set before JAX "
+                f"starts (this script sets {flag}).")
+    return (f"need {needed} devices, JAX has {have} ({devices_line()}): pass --devices with "
+            f"at most {have}, e.g. --devices 1, or JAX_PLATFORMS=cpu for simulated CPU devices.")
+
+
+def devices_line() -> str:
+    """JAX's devices in a few words: ``8 simulated CPU devices`` or ``1 x NVIDIA H200 (gpu)``."""
+    devices = jax.devices()
+    first = devices[0]
+    if first.platform == "cpu":
+        return f"{len(devices)} simulated CPU device" + ("s" if len(devices) > 1 else "")
+    kinds = collections.Counter(d.device_kind for d in devices)
+    version = getattr(getattr(first, "client", None), "platform_version", "")
+    version = f", {version}" if version and version != first.platform else ""
+    return (", ".join(f"{count} x {kind}" for kind, count in kinds.items())
+            + f" ({first.platform}{version})")
+
+
+def platform_of(*values) -> str:
+    """Where the arrays or devices among ``values`` live (``cpu``, ``gpu``, ``tpu``): the
+    platform of the first ``jax.Device`` or ``jax.Array`` leaf, else JAX's default backend
+    (host copies were made from it)."""
+    for leaf in jax.tree.leaves(values):
+        if isinstance(leaf, jax.Device):
+            return leaf.platform
+        if isinstance(leaf, jax.Array):
+            try:
+                return next(iter(leaf.devices())).platform
+            except (RuntimeError, StopIteration):  # a deleted array
+                break
+    return jax.default_backend()
+
+
+def check_close(name: str, got, want, *, gpu_rtol: float, gpu_atol: float = 0.0,
+                cpu_rtol: float = 0.0, cpu_atol: float = 0.0, platform: str | None = None) -> str:
+    """Assert that ``got`` equals ``want``: bit for bit on CPU, within a tolerance elsewhere.
+
+    On CPU both sides are the same float32 arithmetic, so the scripts ask for equal bits. On a
+    GPU two compiled programs may fuse and reduce in different orders, so the last bits differ,
+    and the difference grows with every training step: each call site states its tolerance and
+    why. A CPU tolerance is only for variants that compute differently on any platform (TF
+    against JAX, a bfloat16 wire).
+
+    Args:
+        name: what is compared, for the messages.
+        got: an array, number, or pytree (dict, list) of them.
+        want: the same structure.
+        gpu_rtol: ``assert_allclose``'s ``rtol`` off CPU.
+        gpu_atol: its ``atol`` off CPU.
+        cpu_rtol: on CPU: 0 (with ``cpu_atol`` 0) asks for equal bits.
+        cpu_atol: on CPU, as ``cpu_rtol``.
+        platform: the rule to apply; default: where ``got``'s arrays live (``platform_of``).
+
+    Returns:
+        What was checked, e.g. ``bit for bit (cpu)`` or ``rtol 1e-05, atol 0 (gpu)``.
+    """
+    platform = platform or platform_of(got, want)
+    rtol, atol = (cpu_rtol, cpu_atol) if platform == "cpu" else (gpu_rtol, gpu_atol)
+    exact = rtol == 0 and atol == 0
+    how = f"bit for bit ({platform})" if exact else f"rtol {rtol:g}, atol {atol:g} ({platform})"
+    got_leaves, got_tree = jax.tree.flatten(got)
+    want_leaves, want_tree = jax.tree.flatten(want)
+    assert got_tree == want_tree, f"{name}: structures differ: {got_tree} vs {want_tree}"
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        g, w = np.asarray(g), np.asarray(w)
+        where = f"{name}" + (f", leaf {i}" if len(got_leaves) > 1 else "")
+        assert g.shape == w.shape, f"{where}: shapes {g.shape} vs {w.shape} (checked {how})"
+        if exact:
+            if not np.array_equal(g, w):
+                diff = np.abs(g.astype(np.float64) - w.astype(np.float64))
+                raise AssertionError(
+                    f"{where}: {int(np.count_nonzero(g != w))} of {g.size} values differ, "
+                    f"max abs diff {float(np.nanmax(diff)):.3g}; checked {how}")
+        else:
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol,
+                                       err_msg=f"{where}: checked {how}")
+    return how
+
+
 def machine() -> str:
-    """The host in one line: CPU, cores, memory, load, jax, Python and JAX's devices."""
+    """The host in one line: CPU, cores, memory, load, jax, Python and JAX's devices (the
+    accelerator's kind and count where there is one: ``devices_line``)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -208,8 +305,7 @@ def machine() -> str:
         mem = ""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return (f"{cpu}, {os.cpu_count()} cores{mem}; load average {load}; jax {jax.__version__}, "
-            f"Python {platform.python_version()}, {jax.device_count()} simulated "
-            f"{jax.default_backend()} devices")
+            f"Python {platform.python_version()}, {devices_line()}")
 
 
 def append_section(path: str, title: str, command: str, header: str, body: str,

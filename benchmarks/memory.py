@@ -44,9 +44,9 @@ from __future__ import annotations
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _platform import simulated_cpu_devices  # noqa: E402  (before JAX; CPU unless JAX_PLATFORMS)
+
+_FLAG = simulated_cpu_devices(8)
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
@@ -62,7 +62,7 @@ import optax  # noqa: E402
 
 import jaxmirror  # noqa: E402
 from jaxmirror.core import inflight as _inflight  # noqa: E402  (drained before counting)
-from _timing import append_section, checkout, machine, mlp  # noqa: E402  (shared)
+from _timing import append_section, checkout, machine, mlp, too_few_devices  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
 TX = optax.adam(1e-3)
@@ -235,9 +235,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     ns = [int(s) for s in args.devices.split(",")]
     sizes = tuple(int(s) for s in args.sizes.split(","))
-    if max(ns) > jax.device_count():
-        print(f"need {max(ns)} devices, JAX has {jax.device_count()}: XLA_FLAGS must be set "
-              f"before JAX starts (this script sets {_FLAG}).", file=sys.stderr)
+    problem = too_few_devices(max(ns), _FLAG)
+    if problem:
+        print(problem, file=sys.stderr)
         return 2
 
     command = " ".join([os.path.basename(sys.executable)] + sys.argv)

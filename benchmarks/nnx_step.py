@@ -35,13 +35,22 @@ batch and ``psum``. Models: "tiny", global batch 256, MLP 32 -> 64 -> 10 (host-b
 ``optax.adam(1e-3)`` in an ``nnx.Optimizer(model, tx, wrt=nnx.Param)``.
 
 Method, per model and N (replicas on the first N of 4 simulated CPU devices; the script sets
-``XLA_FLAGS`` and ``JAX_PLATFORMS=cpu`` itself): the first ``--check`` steps of each variant run
-one at a time (they compile) and their losses must agree with (a)'s (rtol 1e-5). Then
+``XLA_FLAGS`` and ``JAX_PLATFORMS=cpu`` itself unless ``JAX_PLATFORMS`` is set: with
+``JAX_PLATFORMS=cuda --devices 1`` it runs on one GPU): the first ``--check`` steps of each
+variant run one at a time (they compile), and their losses and the params after them must
+agree with those of the variant computing the same arithmetic (``SAME_AS``: (a') and (f) with
+(a), (c) and (i) with (b)): bit for bit on CPU; on a GPU within rtol 1e-5 (losses) and rtol
+1e-4, atol 1e-5 (params: adam(1e-3) steps of ~1e-3, changed by their gradients' rounding). (b)
+is compared with (a) within rtol 1e-5, atol 1e-7 on CPU too: its loss is computed another
+way (``compute_average_loss`` against a sum / global batch). Then
 ``--warmup`` untimed steps each, then rounds: a round times K steps of every variant (the loop
 ends with ``float``, so each step is awaited; GC off), in a fresh random order each round
 (``_timing.shuffled_rounds``). Ratios are taken within a round; the table gives per-step
-medians over rounds and the ratios' median [min-max]. At the end all variants' params must
-still agree (every variant ran the same number of steps on the same batch) and no jaxmirror
+medians over rounds and the ratios' median [min-max]. At the end, on CPU, all variants' params
+must still agree as above, (b) with (a) within rtol 1e-4, atol 1e-5 (every variant ran the same
+number of steps on the same batch; on a
+GPU hundreds of adam steps amplify the last bits where a gradient is near 0, so only the first
+``--check`` steps are compared there, and the largest difference is reported) and no jaxmirror
 step may have traced or compiled again while timed. Last, per case, a warm ``timeit`` of the
 graph work the (b) path adds around its call: ``nnx.split`` and ``nnx.update`` of the objects, the
 hash of their graph definition and a dict lookup by a freshly split one (the graph definition is
@@ -57,9 +66,9 @@ from __future__ import annotations
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=4"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _platform import simulated_cpu_devices  # noqa: E402  (before JAX; CPU unless JAX_PLATFORMS)
+
+_FLAG = simulated_cpu_devices(4)
 
 import argparse, itertools, json, platform, statistics, sys, time  # noqa: E401,E402
 
@@ -71,6 +80,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
+from _timing import check_close, devices_line, platform_of  # noqa: E402  (shared)
 from _timing import (checkout, devices_and_models, per_call, shuffled_rounds,  # noqa: E402
                      spread, timed)  # (shared)
 
@@ -80,6 +90,17 @@ MODELS = {
     "tiny": (256, (32, 64, 10), ((100, 12), (20, 3))),
     "wide": (256, (512, 1024, 1024, 10), ((6, 6), (2, 2))),
 }
+# What each variant is compared with: the same arithmetic is equal bit for bit on CPU; (b) is
+# compared with (a) within a tolerance on CPU too, since jaxmirror's loss is
+# compute_average_loss and the hand-written one a sum / global batch (other float32 roundings).
+SAME_AS = {"(a') hand A/A": "(a) hand", "(f) jax.jit state": "(a) hand",
+           "(c) jm state": "(b) jm objects", "(i) jm objects+next": "(b) jm objects",
+           "(b) jm objects": "(a) hand"}
+CPU_TOL = {"(b) jm objects": {"cpu_rtol": 1e-5, "cpu_atol": 1e-7}}  # others: bit for bit
+# After the timed rounds (hundreds of adam steps) that difference has grown: (b) vs (a) within
+# rtol 1e-4, atol 1e-5 (the bound this script always had there); the others still bit for bit.
+CPU_TOL_END = {"(b) jm objects": {"cpu_rtol": 1e-4, "cpu_atol": 1e-5}}
+
 HAND, HAND2, OBJ, STATE, FUNC, ITER = ("(a) hand", "(a') hand A/A", "(b) jm objects",
                                        "(c) jm state", "(f) jax.jit state", "(i) jm objects+next")
 
@@ -283,10 +304,22 @@ def bench(model: str, n: int, args) -> dict:
         iterator = iter(strategy.experimental_distribute_dataset(same))
         loops[ITER] = jm_objects_loop(strategy, sizes, None, None, iterator)
 
+    where = platform_of(devices)
     losses = {name: [loop(1) for _ in range(args.check)] for name, loop in loops.items()}
-    for name in loops:
-        np.testing.assert_allclose(losses[name], losses[HAND], rtol=1e-5,
-                                   err_msg=f"{model} N={n}: {name}'s losses vs (a)'s")
+    first = {name: loop.params() for name, loop in loops.items()}
+    hows = {}
+    for name in [name for name in loops if name != HAND]:
+        ref = SAME_AS[name]
+        # GPU: the first --check (3) steps from the same weights; rounding of two programs
+        # (float32 eps 1.2e-7 over sums of <= 2048 terms) stays far below 1e-5 in a loss.
+        hows[name] = check_close(
+            f"{model} N={n}: {name}'s first {args.check} losses vs {ref}'s", losses[name],
+            losses[ref], gpu_rtol=1e-5, platform=where, **CPU_TOL.get(name, {}))
+        # adam(1e-3) moves a param by ~1e-3 a step; a rounding difference in its gradient
+        # changes that by the same relative amount: 1e-4 (atol 1e-5) holds after 3 steps.
+        check_close(f"{model} N={n}: {name}'s params after {args.check} steps vs {ref}'s",
+                    first[name], first[ref], gpu_rtol=1e-4, gpu_atol=1e-5, platform=where,
+                    **CPU_TOL.get(name, {}))
     for loop in loops.values():
         loop(args.warmup)
     counts = {name: loop.counts() for name, loop in loops.items() if hasattr(loop, "counts")}
@@ -299,11 +332,14 @@ def bench(model: str, n: int, args) -> dict:
             assert loop.counts() == counts[name], (
                 f"{model} N={n}: {name} traced or compiled again while timed: "
                 f"{counts[name]} -> {loop.counts()}")
-    ref, worst = loops[HAND].params(), 0.0
-    for name, loop in loops.items():
-        for a, b in zip(loop.params(), ref):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
-                                       err_msg=f"{model} N={n} after timing: {name} vs (a)")
+    last = {name: loop.params() for name, loop in loops.items()}
+    worst = 0.0
+    for name in [name for name in loops if name != HAND]:
+        if where == "cpu":  # GPU: after hundreds of adam steps, not compared (see the docstring)
+            check_close(f"{model} N={n} after timing: {name}'s params vs {SAME_AS[name]}'s",
+                        last[name], last[SAME_AS[name]], gpu_rtol=0.0, platform="cpu",
+                        **CPU_TOL_END.get(name, {}))
+        for a, b in zip(last[name], last[HAND]):
             worst = max(worst, float(np.max(np.abs(a - b))))
     split_pieces = pieces(loops[OBJ].objects) if args.pieces else {}
     ratios = {name: [a / b for a, b in zip(times[name], times[HAND])] for name in loops}
@@ -314,6 +350,8 @@ def bench(model: str, n: int, args) -> dict:
     return {"model": model, "n": n, "steps_per_round": k, "rounds": len(times[HAND]),
             "seconds_per_step": times, "ratios": ratios, "differences": diffs,
             "params_max_abs_diff": worst, "trace_compile_counts": counts,
+            "checked": "; ".join(f"{k[:4].strip()} vs {SAME_AS[k][:3]}: {v}"
+                                 for k, v in hows.items()),
             "pieces_seconds": split_pieces}
 
 
@@ -359,8 +397,8 @@ def main(argv=None) -> int:
     ns, models = checked
 
     command = " ".join([os.path.basename(sys.executable)] + sys.argv)
-    print(f"# flax NNX steps: jaxmirror vs hand-written: {jax.device_count()} simulated "
-          f"{jax.default_backend()} devices, {os.cpu_count()} host cores, jax {jax.__version__}, "
+    print(f"# flax NNX steps: jaxmirror vs hand-written: {devices_line()}, "
+          f"{os.cpu_count()} host cores, jax {jax.__version__}, "
           f"flax {__import__('flax').__version__}, Python {platform.python_version()}")
     print(f"# command: {command}")
     commit = checkout()
@@ -391,7 +429,7 @@ def main(argv=None) -> int:
             + [f"{e} µs" for e in extra]
             + ["(b)/(a)", "(c)/(a)", "(b)/(c)", "(b)−(c) µs"] + [f"{e}/(a)" for e in extra]
             + ["A/A (a')/(a)", "(f) jax.jit state µs (N=1)", "(a)−(f) µs (N=1)",
-               "params max abs diff"])
+               "params max abs diff", "checked"])
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in results:
@@ -406,7 +444,7 @@ def main(argv=None) -> int:
                + [spread(rt[HAND2]),
                   f"{med[FUNC]:.1f}" if FUNC in med else "–",
                   f"{d['(a)-(f)']:.1f}" if "(a)-(f)" in d else "–",
-                  f"{r['params_max_abs_diff']:.1e}"])
+                  f"{r['params_max_abs_diff']:.1e}", r["checked"]])
         print("| " + " | ".join(map(str, row)) + " |")
     if args.pieces:
         print()

@@ -32,8 +32,8 @@ are multiples of it. PS (async): ``w.assign(0)`` on the coordinator, then 2 read
 per worker (not timed: a worker's first closure after that assign reads the value its previous
 closure's push brought back, from before the assign; the table counts such stale reads), then
 schedule ``--chunk`` step closures (batches of 64 rows, cycling over the 16 batches),
-``join()``, read ``w``. Mirrored (sync, this process, 2 simulated CPU
-devices): the same model and global batch (32 rows a replica, batches placed beforehand with
+``join()``, read ``w``. Mirrored (sync, this process, ``--devices`` (2) simulated CPU devices, or
+GPUs with ``JAX_PLATFORMS=cuda``; the Ray workers stay on one CPU device each): the same model and global batch (32 rows a replica, batches placed beforehand with
 ``experimental_distribute_values_from_function``), ``strategy.run(replica_fn, ...)`` with the
 gradient all-reduced (MEAN) and ``w.assign_sub(lr * g)`` on a ``jaxmirror.Variable``. Both warm
 (compiled) before the clock starts; ``--rounds`` tries each, medians.
@@ -48,9 +48,9 @@ from __future__ import annotations
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=2"  # the MirroredStrategy baseline; workers drop it
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _platform import simulated_cpu_devices  # noqa: E402  (before JAX; CPU unless JAX_PLATFORMS)
+
+_FLAG = simulated_cpu_devices(2)  # the MirroredStrategy baseline; workers drop it
 
 import argparse, functools, io, pathlib, statistics, sys, time  # noqa: E401,E402
 
@@ -63,7 +63,7 @@ from flax import nnx  # noqa: E402
 
 import jaxmirror as jm  # noqa: E402
 from jaxmirror.experimental.coordinator import ClusterCoordinator  # noqa: E402
-from _timing import append_section, checkout, machine  # noqa: E402  (shared)
+from _timing import append_section, checkout, machine, too_few_devices  # noqa: E402  (shared)
 
 RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
 FEATURES, BATCH, NUM_BATCHES, LR = 16, 64, 16, 0.1
@@ -192,8 +192,8 @@ def bench_ps(num_workers: int, fresh_reads: bool, args, xs, ys, noisy) -> dict:
 
 
 def bench_mirrored(args, xs, ys) -> dict:
-    """Time to target with ``MirroredStrategy`` on 2 simulated CPU devices, same global batch."""
-    strategy = jm.MirroredStrategy(jax.devices()[:2])
+    """Time to target with ``MirroredStrategy`` on ``--devices`` (2) devices, same global batch."""
+    strategy = jm.MirroredStrategy(jax.devices()[:args.devices])
     n = strategy.num_replicas_in_sync
     per = BATCH // n
     with strategy.scope():
@@ -254,7 +254,7 @@ def print_tables(results, mirrored, args, file=sys.stdout) -> None:
     base, base_steps = target_cell(mirrored["to_target"])
     p("| training | seconds | steps | ms/step | seconds / Mirrored's |")
     p("|---|---|---|---|---|")
-    rows = [(f"MirroredStrategy, 2 replicas (sync; compile {mirrored['compile_s']:.1f} s)",
+    rows = [(f"MirroredStrategy, {args.devices} replicas (sync; compile {mirrored['compile_s']:.1f} s)",
              mirrored["to_target"])]
     rows += [(f"ParameterServerStrategy, {r['workers']} worker(s), {args.ps} PS (async, "
               f"fresh_reads={r['fresh_reads']})", r["to_target"]) for r in results]
@@ -287,6 +287,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", default="1,2", help="worker counts, comma-separated")
     ap.add_argument("--ps", type=int, default=2, help="parameter servers (= shards of w)")
+    ap.add_argument("--devices", type=int, default=2,
+                    help="replicas of the MirroredStrategy baseline (simulated CPU devices; "
+                         "GPUs with JAX_PLATFORMS=cuda); the Ray workers use one CPU device each")
     ap.add_argument("--closures", type=int, default=None,
                     help="closures per timed round, each kind (default 500; --quick 50)")
     ap.add_argument("--rounds", type=int, default=None,
@@ -314,9 +317,9 @@ def main(argv=None) -> int:
     # to it and kills only its own actors; this one stops Ray before the Mirrored baseline.
     ray_owner = jm.cluster_resolver.RayClusterResolver(1, 1)
     try:
-        if jax.device_count() < 2:
-            print(f"need 2 devices, JAX has {jax.device_count()}: XLA_FLAGS must be set before "
-                  f"JAX starts (this script sets {_FLAG}).", file=sys.stderr)
+        problem = too_few_devices(args.devices, _FLAG)
+        if problem:
+            print(problem, file=sys.stderr)
             return 2
         command = " ".join([os.path.basename(sys.executable)] + sys.argv)
         header = io.StringIO()

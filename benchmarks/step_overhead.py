@@ -51,8 +51,9 @@ from __future__ import annotations
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+from _platform import simulated_cpu_devices  # noqa: E402  (before JAX; CPU unless JAX_PLATFORMS)
+
+_FLAG = simulated_cpu_devices(8)
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -73,6 +74,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxmirror  # noqa: E402
 from jaxmirror.core import inflight as _inflight  # noqa: E402  (the bound, and the queue for --breakdown)
 from jaxmirror.step.program import check_can_run  # noqa: E402  (timed by --breakdown)
+from _timing import check_close, devices_line, platform_of  # noqa: E402  (shared)
 from _timing import dispatch, init_params, mlp, steps_and_cases  # noqa: E402  (shared)
 from _timing import one_call as _one_call, per_call as _per_call  # noqa: E402
 from _timing import shuffled_rounds as _shuffled_rounds, timed as _timed, us as _us  # noqa: E402
@@ -172,7 +174,7 @@ class Case:
     def __init__(self, model: str, n: int, seed: int = 0):
         global_batch, sizes, _ = MODELS[model]
         self.model, self.n = model, n
-        devices = jax.devices()[:n]
+        devices = self.devices = jax.devices()[:n]
         self.strategy = jaxmirror.MirroredStrategy(devices)
         self.mesh = Mesh(np.array(devices), ("replica",))
 
@@ -227,20 +229,30 @@ class Case:
         for loop in (self.jm, self.base2):
             loop.state = jax.tree.map(lambda a: a.copy(), self.base.state)
 
-    def check_agree(self, where: str) -> tuple[float, bool]:
-        """Assert jaxmirror's params agree with the baseline's; return (max |diff|, bitwise)."""
+    def check_agree(self, where: str, gpu_rtol: float = 1e-5) -> tuple[float, bool]:
+        """Assert jaxmirror's params agree with the baseline's (bit for bit on CPU; on a GPU within
+        ``gpu_rtol``, atol ``gpu_rtol / 10``: a few adam steps from the same state, two programs'
+        float32 rounding); return (max |diff|, bitwise)."""
         worst, exact = 0.0, True
         ref = jax.tree.map(np.asarray, self.base.state[0])
         for loop in (self.jm, self.base2):
             assert loop.i == self.base.i, (loop.name, loop.i, self.base.i)
             got = jax.tree.map(np.asarray, loop.state[0])
+            self.checked = check_close(
+                f"{self.model} N={self.n} {where}: {loop.name}'s params vs the baseline's",
+                {k: got[k] for k in ref}, ref, gpu_rtol=gpu_rtol, gpu_atol=gpu_rtol / 10,
+                platform=platform_of(self.devices), **({} if loop is self.base2 else CPU_TOL))
             for name in sorted(ref):
-                np.testing.assert_allclose(
-                    got[name], ref[name], rtol=1e-5, atol=1e-6,
-                    err_msg=f"{self.model} N={self.n} {where}: {loop.name} vs baseline, {name}")
                 worst = max(worst, float(np.max(np.abs(got[name] - ref[name]))))
                 exact &= bool(np.array_equal(got[name], ref[name]))
         return worst, exact
+
+
+# jaxmirror against the baseline on CPU: two different programs (at N = 1 jaxmirror's is no
+# shard_map), which XLA may fuse differently: a value of the tiny model 6e-11 apart after the
+# warm-up steps (2026-11-27). The table says whether they were equal bit for bit; the A/A copy
+# must be.
+CPU_TOL = {"cpu_rtol": 1e-5, "cpu_atol": 1e-6}
 
 
 def bench_case(case: Case, args, steps: int) -> dict:
@@ -443,8 +455,8 @@ def main(argv=None) -> int:
         return 2
     steps, ns, models = checked
 
-    print(f"# jaxmirror step overhead: {jax.device_count()} simulated {jax.default_backend()} "
-          f"devices, {os.cpu_count()} host cores, jax {jax.__version__}, "
+    print(f"# jaxmirror step overhead: {devices_line()}, "
+          f"{os.cpu_count()} host cores, jax {jax.__version__}, "
           f"Python {platform.python_version()}")
     print(f"# command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     print(f"# rounds={args.rounds} (jaxmirror, baseline, baseline' rotated), steps/round={steps}, "

@@ -37,16 +37,20 @@ dispatch are most of a step) and "wide", global batch 256, MLP 512 -> 2048 -> 20
 (compute-bound: ~8 GFLOP a step). SGD with lr 0.1, written by hand in both loops.
 
 Method, per model and N (replicas on the first N of 8 simulated CPU devices; the script sets
-``XLA_FLAGS`` and ``JAX_PLATFORMS=cpu`` itself): all loops start from the same params. The first
-``--check`` steps of each run one at a time (they compile everything) and their losses must
-agree (``assert_allclose``, rtol 1e-5; (base') equal to (base)). Then ``--warmup`` untimed steps
+``XLA_FLAGS`` and ``JAX_PLATFORMS=cpu`` itself unless ``JAX_PLATFORMS`` is set: with
+``JAX_PLATFORMS=cuda --devices 1`` it runs on one GPU): all loops start from the same params.
+The first ``--check`` steps of each run one at a time (they compile everything) and their losses
+must agree (``_timing.check_close``: bit for bit on CPU, rtol 1e-5 on a GPU; (base') equal to
+(base) anywhere). Then ``--warmup`` untimed steps
 each, then rounds (``--rounds``: tiny 20, wide 8). A round times K steps of each loop
 (``--steps``: tiny 100, wide 10; ``perf_counter`` around the K steps, GC off), in the order jm,
 base, base' in even rounds and base', base, jm in odd ones: base sits in the middle and jm and
 base' take the same places around it, so the A/A ratio base'/base carries the same place-in-round
 effects as jm/base. Ratios are taken within a round; the table gives per-step medians over
 rounds and the ratios' median [min-max]. At the end the params of all loops (same batches, same
-order) must still agree, and jaxmirror's step must not have traced or compiled again.
+order) must still agree (bit for bit on CPU; on a GPU rtol 1e-4, atol 1e-5: SGD damps the
+rounding differences of two programs), and jaxmirror's step must not have traced or compiled
+again.
 
 Run from the repository root:
     .venv/bin/python benchmarks/tf_loop.py                         # tiny, N = 1, 2, 4, 8
@@ -62,9 +66,9 @@ from __future__ import annotations
 
 import os
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _platform import simulated_cpu_devices  # noqa: E402  (before JAX; CPU unless JAX_PLATFORMS)
+
+_FLAG = simulated_cpu_devices(8)
 
 import argparse, gc, itertools, json, platform, statistics, sys, time  # noqa: E401,E402
 
@@ -75,7 +79,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
-from _timing import checkout, devices_and_models, mlp, spread, timed  # noqa: E402  (shared)
+from _timing import check_close, checkout, devices_and_models, devices_line  # noqa: E402
+from _timing import mlp, platform_of, spread, timed  # noqa: E402  (shared)
 
 LR = 0.1
 NUM_BATCHES = 16  # distinct host global batches, cycled through
@@ -164,14 +169,15 @@ def baseline_loop(devices, params, batches, global_batch):
     return loop
 
 
-def check_params(loops: dict, where: str, rtol: float, atol: float) -> float:
-    """Assert every loop's params agree with the baseline's; the largest |difference|."""
+def check_params(loops: dict, where: str, platform: str, rtol: float, atol: float) -> float:
+    """Assert every loop's params agree with the baseline's (``check_close``: bit for bit on
+    CPU, ``rtol``/``atol`` elsewhere); the largest |difference|."""
     ref, worst = loops[BASE].params(), 0.0
     for name in (JM, BASE2):
         got = loops[name].params()
+        check_close(f"{where}: {name}'s params vs the baseline's", got, ref, gpu_rtol=rtol,
+                    gpu_atol=atol, platform=platform)
         for k in ref:
-            np.testing.assert_allclose(got[k], ref[k], rtol=rtol, atol=atol,
-                                       err_msg=f"{where}: {name} vs baseline, {k}")
             worst = max(worst, float(np.max(np.abs(got[k] - ref[k]))))
     return worst
 
@@ -186,10 +192,14 @@ def bench(model: str, n: int, args) -> dict:
              BASE: baseline_loop(devices, params, batches, global_batch),
              BASE2: baseline_loop(devices, params, batches, global_batch)}
 
+    where = platform_of(devices)
     losses = {name: [loop(1) for _ in range(args.check)] for name, loop in loops.items()}
-    np.testing.assert_allclose(losses[JM], losses[BASE], rtol=1e-5,
-                               err_msg=f"{model} N={n}: jaxmirror's losses vs the baseline's")
-    np.testing.assert_array_equal(losses[BASE2], losses[BASE])
+    # GPU: the first --check (8) SGD steps from the same params: two programs' rounding
+    # (float32 eps 1.2e-7) stays well below 1e-5 in the loss.
+    how = check_close(f"{model} N={n}: jaxmirror's first losses vs the baseline's", losses[JM],
+                      losses[BASE], gpu_rtol=1e-5, platform=where)
+    check_close(f"{model} N={n}: baseline' first losses vs the baseline's", losses[BASE2],
+                losses[BASE], gpu_rtol=0.0, platform=where)  # the same program: equal anywhere
     for loop in loops.values():
         loop(args.warmup)
     warm_counts = loops[JM].counts()
@@ -208,7 +218,9 @@ def bench(model: str, n: int, args) -> dict:
     assert loops[JM].counts() == warm_counts, (
         f"{model} N={n}: jaxmirror's step traced or compiled again while timed: "
         f"{warm_counts} -> {loops[JM].counts()}")
-    diff = check_params(loops, f"{model} N={n} after timing", rtol=1e-4, atol=1e-5)
+    # GPU: plain SGD on this MLP damps rounding differences; after the timed steps (hundreds)
+    # they stay below rtol 1e-4, atol 1e-5 (so it held on an H200, issue 31).
+    diff = check_params(loops, f"{model} N={n} after timing", where, rtol=1e-4, atol=1e-5)
     ratio = [a / b for a, b in zip(times[JM], times[BASE])]
     control = [a / b for a, b in zip(times[BASE2], times[BASE])]
     return {"model": model, "n": n, "steps_per_round": k, "rounds": rounds,
@@ -216,7 +228,8 @@ def bench(model: str, n: int, args) -> dict:
             "first_losses": losses[JM], "first_losses_baseline": losses[BASE],
             "losses_max_rel_diff": float(np.max(np.abs(np.subtract(losses[JM], losses[BASE]))
                                                 / np.abs(losses[BASE]))),
-            "params_max_abs_diff": diff, "jaxmirror_trace_compile_counts": warm_counts}
+            "params_max_abs_diff": diff, "checked": how,
+            "jaxmirror_trace_compile_counts": warm_counts}
 
 
 def main(argv=None) -> int:
@@ -244,8 +257,8 @@ def main(argv=None) -> int:
     ns, models = checked
 
     command = " ".join([os.path.basename(sys.executable)] + sys.argv)
-    print(f"# TF-style training loop, jaxmirror vs hand-written JAX: {jax.device_count()} "
-          f"simulated {jax.default_backend()} devices, {os.cpu_count()} host cores, "
+    print(f"# TF-style training loop, jaxmirror vs hand-written JAX: {devices_line()}, "
+          f"{os.cpu_count()} host cores, "
           f"jax {jax.__version__}, Python {platform.python_version()}")
     print(f"# command: {command}")
     commit = checkout()
@@ -273,14 +286,14 @@ def main(argv=None) -> int:
     print()
     print("| model | N | steps × rounds | baseline µs/step | jaxmirror µs/step "
           "| ratio jm/base | A/A base'/base | first losses: max rel diff "
-          "| params at the end: max abs diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| params at the end: max abs diff | checked |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         med = {k: statistics.median(v) * 1e6 for k, v in r["seconds_per_step"].items()}
         print(f"| {r['model']} | {r['n']} | {r['steps_per_round']} × {r['rounds']} "
               f"| {med[BASE]:.1f} | {med[JM]:.1f} | {spread(r['ratio'])} "
               f"| {spread(r['control'])} | {r['losses_max_rel_diff']:.1e} ({args.check} steps) "
-              f"| {r['params_max_abs_diff']:.1e} |")
+              f"| {r['params_max_abs_diff']:.1e} | {r['checked']} |")
     print()
     print(f"# total {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
 
@@ -290,6 +303,7 @@ def main(argv=None) -> int:
                        "jaxmirror_checkout": commit,
                        "jax": jax.__version__, "python": platform.python_version(),
                        "host_cores": os.cpu_count(), "devices": jax.device_count(),
+                       "device_kind": devices_line(),
                        "args": vars(args), "results": results}, f, indent=1)
     return 0
 

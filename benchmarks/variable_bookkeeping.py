@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from _platform import simulated_cpu_devices  # noqa: E402  (before JAX; CPU unless JAX_PLATFORMS)
+
+_FLAG = simulated_cpu_devices(8)
 
 import argparse  # noqa: E402
 import time  # noqa: E402
@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 
 import jaxmirror  # noqa: E402
 from jaxmirror.variables import state  # noqa: E402
+from _timing import devices_line, too_few_devices  # noqa: E402  (shared)
 
 GOAL_US = 20.0
 
@@ -89,12 +90,16 @@ def per_call_us(count: int, devices: int, rounds: int) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--counts", default="10,100,1000", help="variable counts, comma-separated")
-    ap.add_argument("--devices", type=int, default=2, help="replicas (simulated CPU devices)")
+    ap.add_argument("--devices", type=int, default=2,
+                    help="replicas (simulated CPU devices; GPUs with JAX_PLATFORMS=cuda)")
     ap.add_argument("--rounds", type=int, default=30)
     args = ap.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
+    problem = too_few_devices(args.devices, _FLAG)
+    if problem:
+        raise SystemExit(problem)
     print(f"# jaxmirror {os.path.dirname(jaxmirror.__file__)}, jax {jax.__version__}, "
-          f"N = {args.devices}")
+          f"N = {args.devices} of {devices_line()}")
     print("| variables | µs per call |\n|---|---|")
     times = {}
     for count in counts:

@@ -38,9 +38,21 @@ def _collectives(text: str) -> list:
 
 
 def _replica_groups(line: str) -> list:
-    """The replica groups of one collective in XLA's HLO text, in either of XLA's spellings:
-    listed (``replica_groups={{0,1},{2,3}}``) or as an iota (``replica_groups=[2,2]<=[4]``:
-    ``arange(4)`` reshaped to 2 groups of 2; ``[2,2]<=[2,2]T(1,0)``: transposed first)."""
+    """The replica groups of one collective in XLA's HLO text, in each of XLA's spellings:
+    listed (``replica_groups={{0,1},{2,3}}``); an iota (``replica_groups=[2,2]<=[4]``:
+    ``arange(4)`` reshaped to 2 groups of 2; ``[2,2]<=[2,2]T(1,0)``: transposed first); or, as
+    JAX 0.11 emits a collective over whole mesh axes, the mesh and the axes it spans
+    (``replica_groups=mesh['a'=2,'b'=4] {'b'}``: devices in mesh order, a group per ``a``)."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if mesh:
+        axes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))]
+        spanned = re.findall(r"'(\w+)'", mesh.group(2))
+        ids = np.arange(int(np.prod([size for _, size in axes]))).reshape(
+            [size for _, size in axes])
+        kept = [i for i, (name, _) in enumerate(axes) if name not in spanned]
+        ids = ids.transpose(kept + [i for i, (name, _) in enumerate(axes) if name in spanned])
+        size = int(np.prod([size for name, size in axes if name in spanned]))
+        return ids.reshape(-1, size).tolist()
     listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
     if listed:
         return [[int(i) for i in g.split(",") if i]
@@ -54,12 +66,18 @@ def _replica_groups(line: str) -> list:
     return ids.reshape(shape).tolist()
 
 
-def test_replica_groups_are_read_in_both_of_xlas_spellings():
+def test_replica_groups_are_read_in_each_of_xlas_spellings():
     assert _replica_groups("x = all-reduce(y), replica_groups={{0,1,2,3},{4,5,6,7}}") == [
         [0, 1, 2, 3], [4, 5, 6, 7]]
     assert _replica_groups("all-reduce(y), replica_groups=[1,8]<=[8], to_apply=") == [
         list(range(8))]
     assert _replica_groups("all-reduce(y), replica_groups=[4,2]<=[2,4]T(1,0)") == [
+        [0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _replica_groups("all-reduce(y), replica_groups=mesh['replica'=8] {'replica'}, u") == [
+        list(range(8))]
+    assert _replica_groups("replica_groups=mesh['a'=2,'b'=4] {'b'}, x") == [
+        [0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _replica_groups("replica_groups=mesh['a'=2,'b'=4] {'a'}, x") == [
         [0, 4], [1, 5], [2, 6], [3, 7]]
 
 

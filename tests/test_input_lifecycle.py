@@ -149,7 +149,8 @@ def test_leaving_with_a_busy_prefetch_thread_exits_cleanly(ending):
         if "{ending}" == "raise":
             raise SystemExit(3)
     """)
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PATH": "/usr/bin:/bin"}
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PATH": "/usr/bin:/bin",
+           "JAX_PLATFORMS": "cpu"}  # as conftest: the CPU platform also beside a CUDA jaxlib
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                               text=True, timeout=120)
