@@ -78,6 +78,16 @@ DTYPES = [
 ]
 
 
+def dtype_id(value):
+    """A short test id for a ``DTYPES`` entry: ``numpy.float32``, ``str``, ``dtype_U7``."""
+    if isinstance(value, np.dtype):
+        return "dtype_" + value.str.lstrip("<>|=")
+    if isinstance(value, type):
+        module = value.__module__.split(".")[0]
+        return value.__name__ if module == "builtins" else f"{module}.{value.__name__}"
+    return str(value)
+
+
 def _shapes(count=60, seed=0):
     rng = random.Random(seed)
     shapes = [(1,), (2,), (10,), (13,), (1000,), (1024, 1024), (3, 4), (7, 1, 5),
@@ -93,7 +103,7 @@ SHAPES = _shapes()
 BPS = [16, 1, 5]  # bytes_per_string
 
 
-@pytest.mark.parametrize("name,dtype", DTYPES, ids=lambda x: str(x))
+@pytest.mark.parametrize("name,dtype", DTYPES, ids=dtype_id)
 def test_min_size_partitioner_matches_tf_formula(name, dtype):
     checked = 0
     for shape, min_bytes, max_shards, bps in itertools.product(
@@ -107,7 +117,7 @@ def test_min_size_partitioner_matches_tf_formula(name, dtype):
     assert checked > 5000
 
 
-@pytest.mark.parametrize("name,dtype", DTYPES, ids=lambda x: str(x))
+@pytest.mark.parametrize("name,dtype", DTYPES, ids=dtype_id)
 def test_max_size_partitioner_matches_tf_formula(name, dtype):
     checked = 0
     for shape, max_bytes, max_shards, bps in itertools.product(
@@ -122,7 +132,7 @@ def test_max_size_partitioner_matches_tf_formula(name, dtype):
     assert checked > 5000
 
 
-@pytest.mark.parametrize("name,dtype", DTYPES[:8], ids=lambda x: str(x))
+@pytest.mark.parametrize("name,dtype", DTYPES[:8], ids=dtype_id)
 def test_fixed_shards_partitioner_matches_tf_formula(name, dtype):
     for shape, n in itertools.product(SHAPES, [1, 2, 3, 5, 8, 100, 1 << 30]):
         for axis in range(len(shape)):

@@ -44,7 +44,7 @@ def track_array(x) -> None:
     Args:
         x: an output array of the step, or ``None`` (nothing dispatched).
     """
-    if x is None or _compat.is_tracer(x):
+    if x is None or isinstance(x, _compat.Tracer):  # on the hot path: no call
         return  # no array, or a step traced inside the user's own jit/scan: nothing dispatched
     _queue.append(x)
     if len(_queue) > MAX_IN_FLIGHT:
