@@ -351,3 +351,32 @@ def test_the_package_never_walks_the_stack_with_sys_getframe():
     if wrong:
         pytest.fail("sys._getframe used; use inspect.currentframe() or traceback.walk_stack:\n"
                     + "\n".join(wrong), pytrace=False)
+
+
+# JAX's and flax's internals, and a primitive's parameters, are read in core/_compat.py only
+# (issue 31): a JAX upgrade that moves one of them changes one accessor, which
+# tests/test_jax_compat.py exercises.
+_INTERNAL_MODULES = ("jax._src", "jax.interpreters", "jax.core", "flax.nnx.graphlib",
+                     "flax.nnx.nn", "flax.nnx.variablelib", "jaxlib.")
+
+
+def test_only_compat_reads_jax_and_flax_internals_and_primitive_parameters():
+    wrong = []
+    for module, tree in _modules():
+        if module == "core._compat":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                names = []
+            wrong += [f"{module}:{node.lineno} imports {n}" for n in names
+                      if n.startswith(_INTERNAL_MODULES)]
+            if isinstance(node, ast.Attribute) and (
+                    node.attr == "params" and isinstance(node.value, ast.Name)
+                    and node.value.id == "eqn"
+                    or ast.unparse(node).startswith(("jax.core.", "jax.interpreters."))):
+                wrong.append(f"{module}:{node.lineno} reads {ast.unparse(node)}")
+    assert not wrong, "\n".join(sorted(set(wrong)))

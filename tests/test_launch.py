@@ -353,6 +353,38 @@ def test_run_raises_the_first_workers_exception_and_stops_the_others(launch, tmp
     assert not _alive(_pids(tmp_path, ["pid0"])[0])
 
 
+def _ended_by_worker_1(folder):
+    """Worker 1 listens at its TF_CONFIG address (so the group counts as a joined cluster)
+    and raises a second later; worker 0 ends itself at once with UnavailableError naming it,
+    as a joined worker does that hears of a failure before the failed worker's exit is seen."""
+    import socket
+
+    from jaxmirror.errors import UnavailableError
+
+    index = int(os.environ["JAXMIRROR_LAUNCH_WORKER_INDEX"])
+    host, port = json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][1].rsplit(":", 1)
+    if index == 1:
+        with socket.create_server((host, int(port))):
+            time.sleep(1.0)
+            raise ValueError("the real failure, in worker 1")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    raise UnavailableError("worker 1 (127.0.0.1) raised ValueError: the real failure")
+
+
+def test_run_reports_the_worker_where_a_joined_groups_failure_started(launch, tmp_path):
+    with pytest.raises(launch.WorkerError) as caught:
+        launch.run(_ended_by_worker_1, workers=2, args=(str(tmp_path),), grace=2, timeout=60)
+    e = caught.value
+    assert (e.worker_index, e.exit_code) == (1, 1), str(e)
+    assert str(e).startswith("worker 1 raised ValueError: the real failure, in worker 1")
+
+
 @pytest.mark.parametrize("die,code,says", [
     (lambda: os._exit(3), 3, "exited with code 3"),
     (lambda: os.kill(os.getpid(), signal.SIGABRT), -signal.SIGABRT, "was killed by SIGABRT"),

@@ -159,6 +159,31 @@ def _failure(group: processes.WorkerGroup, index: int, result_path: str) -> Work
                        worker_index=index, exit_code=code)
 
 
+def _ended_by_another(group: processes.WorkerGroup, index: int, path: str) -> bool:
+    """Whether worker ``index`` failed because another one did: a joined worker ends itself
+    with ``UnavailableError`` naming the failed one (printed, when it was blocked in a
+    collective)."""
+    try:
+        outcome = _read(group, index, path)
+    except WorkerError:
+        return False
+    if outcome is not None:
+        return outcome[0] == "raised" and outcome[1].endswith("UnavailableError")
+    return "UnavailableError" in group.stderr_tail(index)
+
+
+def _first_cause(group: processes.WorkerGroup, failed: int, results: list,
+                 running: list) -> int:
+    """The worker where a joined group's failure started. The first to exit is not always it:
+    a joined worker can hear of a failure (from the coordination service) and exit before the
+    failed worker's own exit is seen. Among the workers that exited on their own (not
+    ``running``, so not stopped by the launcher), the first in exit-then-index order that did
+    not fail because of another; ``failed`` when each of them did."""
+    exited = [failed] + [i for i in range(len(results)) if i != failed and i not in running
+                         and group.returncode(i) not in (0, None)]
+    return next((i for i in exited if not _ended_by_another(group, i, results[i])), failed)
+
+
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -180,7 +205,7 @@ def _attempt(commands, envs, results, grace, deadline, timeout):
             settle = max(grace, processes.SETTLE_S)
             if deadline is not None:
                 settle = min(settle, _left(deadline))
-            group.settle(settle)
+            failed = _first_cause(group, failed, results, group.settle(settle))
     values = []
     if failed is None:  # a worker that exited 0 without its result failed all the same
         for i, path in enumerate(results):
