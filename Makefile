@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu docs docs-check bench clean
+.PHONY: install demo test test-gpu docs docs-check bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -24,8 +24,32 @@ test: install
 # The GPU test set (tests_gpu/) on the machine's GPUs, against plain JAX on the first one; every
 # test is skipped, with a message, where JAX finds no GPU (install '.[cuda13]' or '.[cuda12]').
 # JAXMIRROR_GPU_SET_PLATFORM=cpu runs it on simulated CPU devices instead.
-test-gpu: install
+# On a GPU image whose Python has JAX already (and no network), `make test-gpu PY=python3`
+# uses that Python as it is: nothing is installed.
+ifeq ($(PY),$(VENV)/bin/python)
+GPU_DEPS := install
+endif
+
+test-gpu: $(GPU_DEPS)
 	$(PY) -m pytest -q tests_gpu
+
+# Every benchmark's smallest run on one GPU (benchmarks/README.md), its checks at the GPU's
+# tolerances; `make bench-gpu PY=python3` as above. TensorFlow's comparison is left out.
+bench-gpu: $(GPU_DEPS)
+	JAX_PLATFORMS=cuda $(PY) benchmarks/tf_loop.py --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/fused_steps.py --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/nnx_step.py --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/step_overhead.py --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/variables.py --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/leaf_overhead.py --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/input_pipeline.py --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/cross_device_ops.py --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/deleted_array_guard.py --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/memory.py --devices 1 --steps 2
+	JAX_PLATFORMS=cuda $(PY) benchmarks/variable_bookkeeping.py --devices 1 --counts 10,100 --rounds 3
+	JAX_PLATFORMS=cuda $(PY) benchmarks/fused_failure_wait.py gpu --devices 1 --quick
+	JAX_PLATFORMS=cuda $(PY) benchmarks/multi_worker.py --devices 1 --models small --rounds 1 --steps 5
+	JAX_PLATFORMS=cuda $(PY) benchmarks/parameter_server.py --devices 1 --quick
 
 # The documentation (docs/: Markdown pages, the API reference from the docstrings), built
 # offline into build/docs/index.html; any Sphinx warning fails it.
