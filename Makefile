@@ -34,22 +34,23 @@ test-gpu: $(GPU_DEPS)
 	$(PY) -m pytest -q tests_gpu
 
 # Every benchmark's smallest run on one GPU (benchmarks/README.md), its checks at the GPU's
-# tolerances; `make bench-gpu PY=python3` as above. TensorFlow's comparison is left out.
+# tolerances; `make bench-gpu PY=python3` as above (the scripts import this checkout). TensorFlow's
+# comparison is left out.
 bench-gpu: $(GPU_DEPS)
-	JAX_PLATFORMS=cuda $(PY) benchmarks/tf_loop.py --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/fused_steps.py --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/nnx_step.py --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/step_overhead.py --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/variables.py --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/leaf_overhead.py --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/input_pipeline.py --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/cross_device_ops.py --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/deleted_array_guard.py --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/memory.py --devices 1 --steps 2
-	JAX_PLATFORMS=cuda $(PY) benchmarks/variable_bookkeeping.py --devices 1 --counts 10,100 --rounds 3
-	JAX_PLATFORMS=cuda $(PY) benchmarks/fused_failure_wait.py gpu --devices 1 --quick
-	JAX_PLATFORMS=cuda $(PY) benchmarks/multi_worker.py --devices 1 --models small --rounds 1 --steps 5
-	JAX_PLATFORMS=cuda $(PY) benchmarks/parameter_server.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/tf_loop.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/fused_steps.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/nnx_step.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/step_overhead.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/variables.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/leaf_overhead.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/input_pipeline.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/cross_device_ops.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/deleted_array_guard.py --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/memory.py --devices 1 --steps 2
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/variable_bookkeeping.py --devices 1 --counts 10,100 --rounds 3
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/fused_failure_wait.py gpu --devices 1 --quick
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/multi_worker.py --devices 1 --models small --rounds 1 --steps 5
+	JAX_PLATFORMS=cuda PYTHONPATH=$(CURDIR) $(PY) benchmarks/parameter_server.py --devices 1 --quick
 
 # The documentation (docs/: Markdown pages, the API reference from the docstrings), built
 # offline into build/docs/index.html; any Sphinx warning fails it.

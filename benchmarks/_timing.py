@@ -16,12 +16,32 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxmirror
+
+
+def _no_such_platform(kind, value, tb):
+    """JAX 0.10/0.11 with ``JAX_PLATFORMS=cuda`` and no GPU it can use fails an ``assert``
+    deep in its backend set-up, with no message: say what happened instead."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if issubclass(kind, AssertionError) and platforms not in ("", "cpu") and not str(value):
+        names = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
+        if any(name.endswith("xla_bridge.py") for name in names):
+            sys.stderr.write(
+                f"{os.path.basename(sys.argv[0])}: JAX_PLATFORMS={platforms}, but JAX found no "
+                f"such device on this machine; on a GPU machine install jaxmirror[cuda13] (or "
+                f"cuda12) and check nvidia-smi, or leave JAX_PLATFORMS unset to run on "
+                f"simulated CPU devices\n")
+            raise SystemExit(2)
+    sys.__excepthook__(kind, value, tb)
+
+
+sys.excepthook = _no_such_platform
 from jaxmirror.core import inflight as _inflight
 
 
@@ -278,11 +298,19 @@ def check_close(name: str, got, want, *, gpu_rtol: float, gpu_atol: float = 0.0,
         g, w = np.asarray(g), np.asarray(w)
         where = f"{name}" + (f", leaf {i}" if len(got_leaves) > 1 else "")
         assert g.shape == w.shape, f"{where}: shapes {g.shape} vs {w.shape} (checked {how})"
-        if exact:
-            if not np.array_equal(g, w):
+        if exact:  # the same bits (NaNs, -0.0 and all) where the dtypes agree
+            same = (g.tobytes() == w.tobytes() if g.dtype == w.dtype
+                    else np.array_equal(g, w, equal_nan=True))
+            if not same:
                 diff = np.abs(g.astype(np.float64) - w.astype(np.float64))
+                if g.dtype == w.dtype:  # elements whose bytes differ
+                    rows = (g.size, g.dtype.itemsize)
+                    differ = (np.ascontiguousarray(g).view(np.uint8).reshape(rows)
+                              != np.ascontiguousarray(w).view(np.uint8).reshape(rows)).any(1)
+                else:
+                    differ = g != w
                 raise AssertionError(
-                    f"{where}: {int(np.count_nonzero(g != w))} of {g.size} values differ, "
+                    f"{where}: {int(np.count_nonzero(differ))} of {g.size} values differ, "
                     f"max abs diff {float(np.nanmax(diff)):.3g}; checked {how}")
         else:
             np.testing.assert_allclose(g, w, rtol=rtol, atol=atol,

@@ -28,6 +28,15 @@ def test_cpu_asks_for_equal_bits_and_says_so():
         timing.check_close("params", got, want, gpu_rtol=1e-4, platform="cpu")
 
 
+def test_bit_for_bit_means_the_bits_nans_and_signed_zeros_included():
+    nan = np.array([np.nan, 1.0], np.float32)
+    assert timing.check_close("loss", nan.copy(), nan, gpu_rtol=1e-4,
+                              platform="cpu") == "bit for bit (cpu)"
+    with pytest.raises(AssertionError, match="1 of 1 values differ"):
+        timing.check_close("zero", np.float32(-0.0), np.float32(0.0), gpu_rtol=1e-4,
+                           platform="cpu")
+
+
 def test_gpu_allows_the_stated_tolerance_and_no_more():
     want = [float(ONE), 2.0, 3.0]
     got = [float(ONE_ULP_UP), 2.0, 3.0]

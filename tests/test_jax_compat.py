@@ -66,6 +66,10 @@ def test_eval_jaxpr_jaxpr_as_fun_and_close_jaxpr_run_a_program():
     plain = jax.make_jaxpr(lambda x: x + 1.0)(1.0)
     reclosed = _compat.close_jaxpr(_compat.open_jaxpr(plain))
     assert [float(v) for v in _compat.jaxpr_as_fun(reclosed)(2.0)] == [3.0]
+    c = jnp.arange(2.0)
+    with_constant = _compat.open_jaxpr(jax.make_jaxpr(lambda x: x + c)(c))
+    with pytest.raises(ValueError, match="close_jaxpr: the jaxpr has constants"):
+        _compat.close_jaxpr(with_constant)
 
 
 def test_eqn_jaxprs_finds_calls_branches_and_loop_bodies():

@@ -314,14 +314,13 @@ def test_donation_reuses_params_buffers():
     params = {"w": s.run(lambda: jnp.zeros(4))}
     step = s.function(lambda p: jax.tree.map(lambda v: v + 1, p), donate_argnums=0)
     new = step(params)
-    assert new["w"].tolist() == [1.0] * 4
-    assert params["w"].is_deleted(), (
-        f"jax {jax.__version__} on {jax.default_backend()} did not take the donated buffer "
-        f"(its sharding {params['w'].sharding}, the result's {new['w'].sharding})")
+    assert params["w"].is_deleted()
+    # Checked on the devices: JAX 0.11 on CPU no longer donates an array once it was read to
+    # the host (`.tolist()`, `np.asarray`), silently (README, "JAX versions").
+    assert bool(jnp.all(new["w"] == 1.0)) and new["w"].shape == (4,)
     opt = jm.RunOptions(donate_argnums=(0,))
     newer = s.run(lambda p: jax.tree.map(lambda v: v + 1, p), args=(new,), options=opt)
-    assert newer["w"].tolist() == [2.0] * 4
-    assert new["w"].is_deleted()
+    assert new["w"].is_deleted() and newer["w"].tolist() == [2.0] * 4
 
 
 def test_passing_donated_params_again_is_a_clear_error_not_a_crash():

@@ -92,7 +92,12 @@ def close_jaxpr(jaxpr):
 
     Returns:
         A ``ClosedJaxpr`` (in JAX 0.11, a ``Jaxpr``) of the same program.
+
+    Raises:
+        ValueError: the jaxpr has constants (JAX 0.11.1 would make them inputs).
     """
+    if jaxpr.constvars:
+        raise ValueError("close_jaxpr: the jaxpr has constants; give them their values instead")
     return ClosedJaxpr(jaxpr, ())
 
 
