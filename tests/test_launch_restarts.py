@@ -87,7 +87,16 @@ def test_a_preempted_worker_restarts_the_whole_group(tmp_path, restarts, code):
 @pytest.mark.parametrize("restarts,code,attempts", [(1, 128 + 9, 2), (2, 0, 3)])
 def test_a_worker_killed_by_a_signal_restarts_until_the_restarts_are_used(
         tmp_path, restarts, code, attempts):
-    script = _script(tmp_path, "if i == 1 and restart < 2: os.kill(os.getpid(), signal.SIGKILL)\n")
+    # Worker 1 dies once worker 0 has started (else, in the last attempt, the launcher could
+    # stop worker 0 before it wrote its line).
+    script = _script(tmp_path, """
+        if i == 1 and restart < 2:
+            deadline = time.monotonic() + 30
+            while f"{restart} 0" not in open("attempts").read().splitlines():
+                assert time.monotonic() < deadline, "worker 0 did not start"
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)
     result = _launch(tmp_path, "--workers", 2, "--grace", 5, "--max-restarts", restarts, script)
     assert result.returncode == code, result.stderr
     assert sorted({a for a, _ in _attempts(tmp_path)}) == list(range(attempts))
