@@ -251,16 +251,101 @@ def test_ops_used_by_no_strategy_say_so():
         jm.NcclAllReduce().reduce("sum", 1.0, "CPU:0")
 
 
-def test_the_default_is_nccl_all_reduce_packed_by_xla_within_one_process():
+def test_the_default_packs_small_leaves_and_leaves_big_ones_alone_within_one_process():
     s = jm.MirroredStrategy(_devices(4))
     ops = s.extended.cross_device_ops
-    assert type(ops) is jm.NcclAllReduce and ops.num_packs == 0
-    # per-leaf all-reduces (no padding, no copies), which XLA merges into one per dtype
+    assert type(ops) is jm.NcclAllReduce
+    assert (ops.num_packs, ops.pack_leaves_under) == (0, 65536)
+    assert repr(ops) == "NcclAllReduce(num_packs=0, pack_leaves_under=65536)"
+    # every leaf is small: one all-reduce per dtype (floats, ints), as XLA runs them
     step = _tree_step(s)
-    assert _emitted(step, jnp.arange(7.0)) == 5
-    text = _compiled(step, jnp.arange(7.0))
-    assert _collectives(text) == ["all-reduce"] * 2
-    assert "concatenate" not in step.lower(jnp.arange(7.0)).as_text()
+    assert _emitted(step, jnp.arange(7.0)) == 2
+    assert _collectives(_compiled(step, jnp.arange(7.0))) == ["all-reduce"] * 2
+    # a leaf of 64 KiB or more goes alone, never copied into a pack
+    big = jnp.arange(16384.0)  # 64 KiB: "a"; x[:3] stays small
+    assert _emitted(step, big) == 3
+    packs = [line for line in step.lower(big).as_text().splitlines() if "concatenate" in line]
+    assert len(packs) == 1 and packs[0].endswith("-> tensor<8xf32>")  # 3 + 4 + 1 floats
+    out = step(big)
+    want = {"a": big * 10, "b": (big[:3] * 10, jnp.ones((2, 2)) * 10), "c": 10, "d": 20.0}
+    for got, expected in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_small_leaves_in_one_pack_sum_bit_for_bit_as_per_leaf_all_reduces():
+    # the default's pack against NcclAllReduce(num_packs=0) (every leaf alone), same values
+    rng = np.random.default_rng(0)
+    leaves = [rng.standard_normal(shape).astype(np.float32)
+              for shape in [(4, 7), (7,), (7, 3), (3,), (20000,)]]
+    results = []
+    for ops in (None, jm.NcclAllReduce(num_packs=0)):
+        s = jm.MirroredStrategy(_devices(8), cross_device_ops=ops)
+
+        @s.function
+        def step(*xs):
+            k = jm.get_replica_context().replica_id_in_sync_group
+            return jm.get_replica_context().all_reduce(
+                "sum", [x * (1.0 + 0.1 * k) / 3.0 for x in xs])
+        results.append([np.asarray(x) for x in step(*leaves)])
+    for packed, alone in zip(*results):
+        np.testing.assert_array_equal(packed, alone)
+    assert not np.array_equal(results[0][0], leaves[0] * 8)  # the replicas' scales counted
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_default_ops_train_as_a_hand_written_per_leaf_psum_in_single_and_fused_steps(n):
+    # The default packs the small leaves; the numbers stay those of a per-leaf lax.psum.
+    rng = np.random.default_rng(1)
+    params = {"w0": rng.standard_normal((8, 16)).astype(np.float32) / 3,
+              "b0": np.zeros(16, np.float32), "w1": rng.standard_normal((16, 4)).astype(
+                  np.float32) / 4, "b1": np.zeros(4, np.float32)}
+    batches = [(rng.standard_normal((16, 8)).astype(np.float32),
+                rng.integers(0, 4, 16).astype(np.int32)) for _ in range(6)]
+
+    def loss_fn(p, x, y):
+        logits = jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]
+        picked = jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1)
+        return -picked.sum() / 16
+
+    def trained(k):
+        s = jm.MirroredStrategy(_devices(n))
+        with s.scope():
+            v = {name: jm.Variable(value) for name, value in params.items()}
+
+        def step_fn(batch):
+            values = {name: var.read_value() for name, var in v.items()}
+            loss, grads = jax.value_and_grad(loss_fn)(values, *batch)
+            grads = jm.get_replica_context().all_reduce("sum", grads)
+            for name, var in v.items():
+                var.assign(values[name] - 0.5 * grads[name])
+            return loss
+        step = s.function(step_fn, steps_per_execution=k) if k else s.function(step_fn)
+        it = iter(s.experimental_distribute_dataset(batches))
+        losses = [np.asarray(s.reduce("sum", step(it) if k else step(next(it)), axis=None))
+                  for _ in range(6 // (k or 1))]
+        return np.concatenate([np.ravel(x) for x in losses]), {
+            name: np.asarray(var.numpy()) for name, var in v.items()}
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("r",))
+    P = jax.sharding.PartitionSpec
+
+    def body(p, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, y)
+        grads = {name: jax.lax.psum(g, "r") for name, g in grads.items()}  # leaf by leaf
+        return {name: p[name] - 0.5 * grads[name] for name in p}, jax.lax.psum(loss, "r")
+
+    hand = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("r"), P("r")),
+                                 out_specs=(P(), P()), check_vma=False))
+    p, hand_losses = params, []
+    for x, y in batches:
+        p, loss = hand(p, x, y)
+        hand_losses.append(np.asarray(loss))
+    for k in (None, 3):
+        losses, final = trained(k)
+        np.testing.assert_array_equal(losses, np.array(hand_losses))
+        for name in params:
+            np.testing.assert_array_equal(final[name], np.asarray(p[name]))
+    assert not np.array_equal(np.asarray(p["w1"]), params["w1"])
 
 
 # -- arguments --------------------------------------------------------------------------------
@@ -269,6 +354,9 @@ def test_the_default_is_nccl_all_reduce_packed_by_xla_within_one_process():
 def test_bad_num_packs(cls, bad):
     with pytest.raises(ValueError, match="`num_packs` must be a non-negative int"):
         cls(num_packs=bad)
+    with pytest.raises(ValueError, match=f"{cls.__name__}: `pack_leaves_under` must be a "
+                                         f"non-negative int; got {bad!r}"):
+        cls(num_packs=0, pack_leaves_under=bad)
 
 
 def test_bad_reduction_device_and_accumulation_fn():

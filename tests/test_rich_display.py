@@ -81,7 +81,7 @@ def test_strategies_show_devices_mesh_workers_and_cross_device_ops(strategy):
     assert props == {"replicas in sync": "3", "devices": "CPU:0, CPU:1, CPU:2",
                      "mesh": "replica: 3", "workers": "1",
                      "variables": "a copy on every replica&#x27;s device",
-                     "cross-device ops": "NcclAllReduce(num_packs=0)"}
+                     "cross-device ops": "NcclAllReduce(num_packs=0, pack_leaves_under=65536)"}
     hier = jm.MirroredStrategy(["CPU:0", "CPU:1"],
                                cross_device_ops=jm.HierarchicalCopyAllReduce(num_packs=2))
     assert dict(_rows(hier._repr_html_()))["cross-device ops"] == \

@@ -43,13 +43,14 @@ def leaf_groups(sizes: list, bytes_per_pack: int) -> list:
 
 
 def packed_apply(leaves: list, combine, num_packs: int, bytes_per_pack: int = 0,
-                 multiple_of: int = 1) -> list:
+                 multiple_of: int = 1, pack_leaves_under: int = 0) -> list:
     """``combine`` applied to the leaves through packs: ``[combine_leaf(x) for x in leaves]``.
 
     Leaves are grouped by dtype (in order). With ``bytes_per_pack`` each group's leaves are
     packed whole into packs of about that many bytes (``leaf_groups``); otherwise each group
     is concatenated into one flat buffer and cut into ``num_packs`` chunks of (nearly) equal
-    length, at most one per element; ``num_packs=0`` gives every leaf its own buffer.
+    length, at most one per element; ``num_packs=0`` gives every leaf its own buffer, except
+    that leaves of fewer than ``pack_leaves_under`` bytes share one (per dtype).
     ``combine`` gets each buffer flat, padded with zeros to a multiple of ``multiple_of``
     elements (reduce-scatters need that); empty buffers are not combined (a sum of nothing is
     nothing).
@@ -60,6 +61,8 @@ def packed_apply(leaves: list, combine, num_packs: int, bytes_per_pack: int = 0,
         num_packs: chunks per dtype; 0 for no packing.
         bytes_per_pack: packs of about this many bytes when positive (whole leaves).
         multiple_of: pad every buffer ``combine`` gets to a multiple of this many elements.
+        pack_leaves_under: with ``num_packs=0`` (and no ``bytes_per_pack``), leaves smaller
+            than this many bytes are concatenated into one buffer per dtype.
 
     Returns:
         The combined leaves, with the leaves' shapes and dtypes.
@@ -80,7 +83,8 @@ def packed_apply(leaves: list, combine, num_packs: int, bytes_per_pack: int = 0,
             packs = [[members[j] for j in group] for group in
                      leaf_groups([leaves[i].size * itemsize for i in members], bytes_per_pack)]
         elif num_packs == 0:
-            packs = [[i] for i in members]
+            packs = _small_leaves_together([leaves[i].size * jnp.dtype(dtype).itemsize
+                                            for i in members], members, pack_leaves_under)
         else:
             packs = [members]
         for pack in packs:
@@ -95,6 +99,21 @@ def packed_apply(leaves: list, combine, num_packs: int, bytes_per_pack: int = 0,
                 out[i] = flat[start:start + x.size].reshape(x.shape)
                 start += x.size
     return out
+
+
+def _small_leaves_together(sizes: list, members: list, under: int) -> list:
+    """Every leaf its own pack, except leaves of fewer than ``under`` bytes: one pack, placed
+    where the first of them is."""
+    packs, small = [], None
+    for i, size in zip(members, sizes):
+        if size >= under:
+            packs.append([i])
+        elif small is None:
+            small = [i]
+            packs.append(small)
+        else:
+            small.append(i)
+    return packs
 
 
 def _concatenated(leaves: list):

@@ -151,21 +151,26 @@ class HostStack:
         self._axis = 0 if first.single else 1
         self._arrays = [np.empty(b.shape[:self._axis] + (k,) + b.shape[self._axis:],
                                  np.asarray(b).dtype) for b in first.blocks]
+        # What every batch's blocks must be (shape, dtype), and where batch i goes in each.
+        self._specs = [(a.shape[:self._axis] + a.shape[self._axis + 1:], a.dtype)
+                       for a in self._arrays]
+        self._slots = [(slice(None),) * self._axis + (i,) for i in range(k)]
         self._counts = []
         self.add(first)
 
     def add(self, batch: HostBatch) -> bool:
         """Copy ``batch`` in; False (and nothing copied) when it does not fit the stack."""
-        arrays, ax = self._arrays, self._axis
+        arrays = self._arrays
         if (batch.single != self._single or batch.tree != self._tree
                 or (batch.counts is not None) != self._padded
-                or len(self._counts) == arrays[0].shape[ax]
-                or any(np.shape(b) != a.shape[:ax] + a.shape[ax + 1:]
-                       or np.asarray(b).dtype != a.dtype for a, b in zip(arrays, batch.blocks))):
+                or len(self._counts) == len(self._slots)
+                or not all(type(b) is np.ndarray and b.shape == shape and b.dtype == dtype
+                           or np.shape(b) == shape and np.asarray(b).dtype == dtype
+                           for b, (shape, dtype) in zip(batch.blocks, self._specs))):
             return False
-        i = len(self._counts)
+        slot = self._slots[len(self._counts)]
         for a, b in zip(arrays, batch.blocks):
-            a[(slice(None),) * ax + (i,)] = b
+            a[slot] = b
         self._counts.append(batch.counts)
         return True
 

@@ -10,7 +10,8 @@ from jaxmirror.core import context, inflight
 from jaxmirror.core import devices as devices_lib
 from jaxmirror.core.placement import Placement
 from jaxmirror.collectives.communication import CommunicationOptions
-from jaxmirror.collectives.cross_device_ops import CrossDeviceOps, NcclAllReduce, checked_options
+from jaxmirror.collectives.cross_device_ops import (
+    SMALL_LEAF_BYTES, CrossDeviceOps, NcclAllReduce, checked_options)
 from jaxmirror.step.replica_context import call_as_first_replica, call_in_merge
 from jaxmirror.strategies import updates
 from jaxmirror.variables import creation
@@ -39,7 +40,8 @@ class StrategyExtended:
             its devices (``/job:worker/replica:0/task:1/device:CPU:0``).
         cross_device_ops: the ``CrossDeviceOps`` every cross-replica sum goes through;
             ``None``: ``NcclAllReduce``, with one pack per dtype across processes (each
-            collective costs milliseconds there) and none within one (XLA merges them).
+            collective costs milliseconds there); within one, each leaf of 64 KiB or more on
+            its own (XLA merges them without a copy) and the smaller ones in one pack.
         communication_options: the ``CommunicationOptions`` each call's own options
             override (``CommunicationOptions()`` when ``None``).
 
@@ -58,8 +60,9 @@ class StrategyExtended:
         self._container_strategy_ref = container_strategy
         self._placement = Placement(devices, parameter_devices, distributed_variables)
         self._tasks = tasks
-        self._cross_device_ops = cross_device_ops or NcclAllReduce(
-            num_packs=1 if self._placement.multi_process else 0)
+        self._cross_device_ops = cross_device_ops or (
+            NcclAllReduce(num_packs=1) if self._placement.multi_process
+            else NcclAllReduce(num_packs=0, pack_leaves_under=SMALL_LEAF_BYTES))
         self._cross_device_ops.adopt(container_strategy, self._placement.devices)
         self._options = communication_options or CommunicationOptions()
 

@@ -21,8 +21,9 @@ class MirroredStrategy(Strategy):
             CPU device when there is no GPU.
         cross_device_ops: the ``CrossDeviceOps`` that compiles the cross-replica sums
             (``NcclAllReduce``, ``HierarchicalCopyAllReduce``, ``ReductionToOneDevice``);
-            ``None`` takes ``NcclAllReduce(num_packs=0)``: per-leaf all-reduces, which XLA
-            merges without copying the leaves into packs.
+            ``None`` takes ``NcclAllReduce(num_packs=0, pack_leaves_under=65536)``: an
+            all-reduce per leaf of 64 KiB or more (XLA merges them without copying) and one
+            for all smaller leaves together.
 
     Raises:
         ValueError: for an empty or duplicated device list, an unknown device, or a
