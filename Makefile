@@ -68,24 +68,26 @@ $(DOCS_CHECK_STAMP): $(STAMP)
 docs-check: docs $(DOCS_CHECK_STAMP)
 	$(PY) docs/check_pages.py build/docs
 
-# TensorFlow (the `bench` extra) only for benchmarks/vs_tensorflow.py; tests never need it.
+# TensorFlow and Keras (the `bench` extra) only for benchmarks/vs_tensorflow.py,
+# vs_tf_multi_worker.py and vs_keras.py; tests never need them.
 BENCH_STAMP := $(VENV)/.installed-bench
 
-$(BENCH_STAMP): $(STAMP)
+$(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	touch $(BENCH_STAMP)
 
-# Every benchmark, in under 10 minutes on a 2-core machine (each script's defaults run longer;
+# Every benchmark, in under 15 minutes on a 2-core machine (each script's defaults run longer;
 # benchmarks/README.md says how long and what they add).
 bench: install $(BENCH_STAMP)
 	$(PY) benchmarks/tf_loop.py
 	$(PY) benchmarks/tf_loop.py --model wide --rounds 4
 	$(PY) benchmarks/fused_steps.py
-	$(PY) benchmarks/fused_steps.py --num-packs 1 --devices 2,8 --k 50
 	$(PY) benchmarks/vs_tensorflow.py
+	$(PY) benchmarks/vs_keras.py
 	$(PY) benchmarks/leaf_overhead.py
 	$(PY) benchmarks/memory.py
-	$(PY) benchmarks/multi_worker.py --rounds 2 --steps 20 --overhead-rounds 3
+	$(PY) benchmarks/multi_worker.py
+	$(PY) benchmarks/vs_tf_multi_worker.py --rounds 2
 	$(PY) benchmarks/step_overhead.py --quick
 	$(PY) benchmarks/variables.py --quick
 	$(PY) benchmarks/input_pipeline.py --quick

@@ -10,14 +10,17 @@ host batches cycled:
            ``total += float(strategy.reduce("SUM", loss, axis=None))``;
   (fused)  per K steps ``losses = train_steps(iterator)`` (``steps_per_execution=K``: the K
            batches stacked on the host, moved in one transfer, the K steps in one program),
-           ``total += float(strategy.reduce("SUM", losses, axis=None).sum())``.
+           ``total += float(strategy.reduce("SUM", losses, axis=None).sum())``;
+  (hand)   the same K steps hand-written: the K host batches stacked and placed with one
+           ``device_put``, ``jit(shard_map(lax.scan(step)))`` with a per-leaf ``psum`` of the
+           gradients, params as the donated carry: the limit for a fused call.
 
 Method, per N (replicas on the first N of 8 simulated CPU devices, or of the GPUs with
 ``JAX_PLATFORMS=cuda``) and K: both loops start from the same params; the first 2K steps'
-losses and the variables after them must agree; then rounds (``--rounds``) that time
-``--steps`` steps of each loop (a multiple of K), alternating which goes first, GC off. The
-table gives the per-step medians over rounds and the ratio single/fused within a round: median
-[min-max]. After timing no step may have compiled again; the fused loop's variables are set to
+losses and the variables after them must agree (the hand-written loop's too); then rounds
+(``--rounds``) that time ``--steps`` steps of each loop (a multiple of K), rotating which goes
+first, GC off. The table gives the per-step medians over rounds and the ratios single/fused and
+fused/hand within a round: median [min-max]. After timing no step may have compiled again; the fused loop's variables are set to
 the single loop's and K more steps of each must agree again. On CPU every check is bit for bit,
 and the variables at the end of the timed rounds must be equal too (same batches, same order).
 On a GPU the fused program (a scan) may fuse and reduce in another order than the single step:
@@ -42,6 +45,7 @@ import argparse, gc, itertools, platform, statistics, sys, time  # noqa: E401,E4
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxmirror  # noqa: E402
 from _timing import check_close, checkout, devices_line, platform_of, spread  # noqa: E402
@@ -90,28 +94,69 @@ def make_loop(devices, params, batches, k: int | None, num_packs: int | None = N
     return loop
 
 
+def handwritten_fused_loop(devices, params, batches, k: int):
+    """What a JAX user writes for K steps per call: the K host batches stacked and placed with
+    one ``device_put``, ``jit(shard_map(lax.scan(step)))`` with a per-leaf ``psum`` of the
+    gradients and the loss, params as the carry (donated); the K losses summed on the host."""
+    mesh = Mesh(np.array(devices), ("replica",))
+    stacked, replicated = NamedSharding(mesh, P(None, "replica")), NamedSharding(mesh, P())
+
+    def one(params, batch):
+        loss, grads = jax.value_and_grad(replica_loss)(params, *batch, GLOBAL_BATCH)
+        grads = jax.lax.psum(grads, "replica")
+        return (jax.tree.map(lambda p, g: p - LR * g, params, grads),
+                jax.lax.psum(loss, "replica"))
+
+    steps = jax.jit(jax.shard_map(lambda p, x, y: jax.lax.scan(one, p, (x, y)), mesh=mesh,
+                                  in_specs=(P(), P(None, "replica"), P(None, "replica")),
+                                  out_specs=(P(), P()), check_vma=False), donate_argnums=0)
+    state = {"params": jax.device_put(params, replicated)}
+    it = itertools.cycle(batches)
+
+    def loop(count: int) -> list:
+        assert count % k == 0
+        out = []
+        for _ in range(count // k):
+            chunk = [next(it) for _ in range(k)]
+            x, y = jax.device_put((np.stack([b[0] for b in chunk]),
+                                   np.stack([b[1] for b in chunk])), stacked)
+            state["params"], losses = steps(state["params"], x, y)
+            out += np.asarray(losses).tolist()
+        return out
+
+    loop.params = lambda: {name: np.asarray(v) for name, v in state["params"].items()}
+    loop.set_params = lambda values: state.update(params=jax.device_put(values, replicated))
+    return loop
+
+
 def bench(n: int, k: int, args) -> dict:
     params, batches = host_data("tiny")
     devices = jax.devices()[:n]
     single = make_loop(devices, params, batches, None, args.num_packs)
     fused = make_loop(devices, params, batches, k, args.num_packs)
+    hand = handwritten_fused_loop(devices, params, batches, k)
     # GPU tolerance: float32 rounding of two programs, over at most 2K = 100 SGD steps from the
     # same params (a real bug, e.g. a lost update or all-reduce, moves the loss by percents).
     tol = {"gpu_rtol": 1e-4, "gpu_atol": 1e-6}
-    first = single(2 * k), fused(2 * k)
+    first = single(2 * k), fused(2 * k), hand(2 * k)
     how = check_close(f"N={n} K={k}: the first {2 * k} losses, fused vs single", first[1],
                       first[0], platform=platform_of(devices), **tol)
     check_close(f"N={n} K={k}: variables after {2 * k} steps, fused vs single", fused.params(),
                 single.params(), platform=platform_of(devices), **tol)
+    # The hand-written scan: another program (its loss psum, no variables), same arithmetic.
+    hand_how = check_close(f"N={n} K={k}: the first {2 * k} losses, hand-written scan vs "
+                           f"single", first[2], first[0], platform=platform_of(devices), **tol)
     counts = single.counts(), fused.counts()
     steps = max(k, args.steps // k * k)
-    times = {"single": [], "fused": []}
+    loops = {"single": single, "fused": fused, "hand": hand}
+    times = {name: [] for name in loops}
+    order = list(loops)
     gc.collect()
     gc.disable()
     try:
         for r in range(args.rounds):
-            for name in (("single", "fused") if r % 2 == 0 else ("fused", "single")):
-                loop = single if name == "single" else fused
+            for name in order[r % 3:] + order[:r % 3]:  # each loop first as often
+                loop = loops[name]
                 t0 = time.perf_counter()
                 loop(steps)
                 times[name].append((time.perf_counter() - t0) / steps)
@@ -121,6 +166,8 @@ def bench(n: int, k: int, args) -> dict:
     if platform_of(devices) == "cpu":  # same batches, same order: equal bits after every step
         check_close(f"N={n} K={k}: variables after timing, fused vs single", fused.params(),
                     single.params(), gpu_rtol=0.0, platform="cpu")
+        check_close(f"N={n} K={k}: params after timing, hand-written scan vs single",
+                    hand.params(), single.params(), gpu_rtol=0.0, platform="cpu")
     fused.set_params(single.params())  # from the same params again: K more steps each
     check_close(f"N={n} K={k}: {k} losses after timing, from the same variables", fused(k),
                 single(k), platform=platform_of(devices), **tol)
@@ -128,7 +175,8 @@ def bench(n: int, k: int, args) -> dict:
                 platform=platform_of(devices), **tol)
     return {"n": n, "k": k, "steps": steps, "times": times,
             "ratio": [s / f for s, f in zip(times["single"], times["fused"])],
-            "counts": counts, "checked": how}
+            "vs_hand": [f / h for f, h in zip(times["fused"], times["hand"])],
+            "counts": counts, "checked": how, "hand_checked": hand_how}
 
 
 def main(argv=None) -> int:
@@ -136,15 +184,15 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="1,2,4,8", help="replica counts, comma-separated")
     ap.add_argument("--k", default="10,50", help="steps per execution, comma-separated")
-    ap.add_argument("--rounds", type=int, default=6, help="timed rounds (even)")
+    ap.add_argument("--rounds", type=int, default=6, help="timed rounds (a multiple of 3)")
     ap.add_argument("--steps", type=int, default=200, help="steps per round per loop")
-    ap.add_argument("--quick", action="store_true", help="2 rounds of 100 steps; noisy")
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 100 steps; noisy")
     ap.add_argument("--num-packs", type=int, default=None,
                     help="both loops with NcclAllReduce(num_packs=...) (default: the "
                          "strategy's own ops)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps = 2, 100
+        args.rounds, args.steps = 3, 100
     ns = [int(s) for s in args.devices.split(",")]
     ks = [int(s) for s in args.k.split(",")]
     problem = too_few_devices(max(ns), _FLAG)
@@ -157,7 +205,7 @@ def main(argv=None) -> int:
     print(f"# command: {command}")
     print(f"# jaxmirror: {jaxmirror.__file__} ({checkout()})")
     print(f"# tiny MLP {' -> '.join(map(str, MODELS['tiny'][1]))}, global batch {GLOBAL_BATCH}; "
-          f"{args.rounds} rounds, order alternating; cross-device ops: "
+          f"{args.rounds} rounds, order rotating; cross-device ops: "
           + ("the default" if args.num_packs is None else f"NcclAllReduce({args.num_packs})"))
     print()
     results, t_start = [], time.perf_counter()
@@ -168,12 +216,15 @@ def main(argv=None) -> int:
             print(f"  done N={n} K={k} in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
                   flush=True)
     print("| N | K | steps × rounds | one dispatch per step µs/step | fused µs/step "
-          "| speed-up single/fused | losses and params |")
-    print("|---|---|---|---|---|---|---|")
+          "| speed-up single/fused | hand-written scan µs/step | fused / hand-written "
+          "| losses and params |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         med = {name: statistics.median(v) * 1e6 for name, v in r["times"].items()}
         print(f"| {r['n']} | {r['k']} | {r['steps']} × {args.rounds} | {med['single']:.1f} "
-              f"| {med['fused']:.1f} | {spread(r['ratio'])} | agree: {r['checked']} |")
+              f"| {med['fused']:.1f} | {spread(r['ratio'])} | {med['hand']:.1f} "
+              f"| {spread(r['vs_hand'])} | agree: {r['checked']} "
+              f"(hand-written: {r['hand_checked']}) |")
     print()
     print(f"# total {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     return 0
