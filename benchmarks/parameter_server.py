@@ -6,7 +6,9 @@ the variable split over them by ``FixedShardsPartitioner(--ps)``), for each W in
 with a ``ClusterCoordinator`` (defaults: ``max_in_flight`` 2, ``max_closures_per_call`` 8),
 once with ``fresh_reads=True`` (the default, TF's: each closure starts from the servers' values
 and sends its changes at its end) and once with ``fresh_reads=False`` (a call's closures send
-their changes together):
+their changes together); and once more with ``fresh_reads=True`` and the workers' fast paths off
+(``JAXMIRROR_PS_FAST_PATHS=0``: one ``assign`` per loaded variable instead of a compiled
+load), unless ``--no-slow-path``:
 
   (trivial) ``noop()``: a function that touches no variable and returns ``None``;
   (step)    TF's PS step on a noise-free linear regression (16 features, batch 64, lr 0.1):
@@ -112,9 +114,12 @@ def train_to_target(run_chunk, read_w, xs, ys, args) -> tuple:
     return time.perf_counter() - t0, None, loss
 
 
-def bench_ps(num_workers: int, fresh_reads: bool, args, xs, ys, noisy) -> dict:
-    """Closure rates and time to target on ``num_workers`` workers and ``args.ps`` servers."""
-    out = {"workers": num_workers, "fresh_reads": fresh_reads}
+def bench_ps(num_workers: int, fresh_reads: bool, args, xs, ys, noisy, fast=True) -> dict:
+    """Closure rates and time to target on ``num_workers`` workers and ``args.ps`` servers
+    (``fast``: the workers' fast paths, read from ``JAXMIRROR_PS_FAST_PATHS`` when the
+    coordinator is made)."""
+    out = {"workers": num_workers, "fresh_reads": fresh_reads, "fast": fast}
+    os.environ["JAXMIRROR_PS_FAST_PATHS"] = "1" if fast else "0"
     t0 = time.perf_counter()
     resolver = jm.cluster_resolver.RayClusterResolver(num_workers, args.ps)
     try:
@@ -237,13 +242,14 @@ def target_cell(tries) -> tuple:
 
 def print_tables(results, mirrored, args, file=sys.stdout) -> None:
     p = functools.partial(print, file=file)
-    p("| workers | fresh_reads | trivial closures/s | trivial ms/closure | step closures/s "
-      "| step ms/closure | ≤ 1 ms/step closure | NNX step ms/closure | actor start s "
-      "| step compile s (warm-up) |")
-    p("|---|---|---|---|---|---|---|---|---|---|")
+    p("| workers | fresh_reads | fast paths | trivial closures/s | trivial ms/closure "
+      "| step closures/s | step ms/closure | ≤ 1 ms/step closure | NNX step ms/closure "
+      "| actor start s | step compile s (warm-up) |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ms = r["ms"]
-        p(f"| {r['workers']} | {r['fresh_reads']} | {1e3 / ms['trivial']:.0f} | {ms['trivial']:.2f} "
+        p(f"| {r['workers']} | {r['fresh_reads']} | {'on' if r['fast'] else 'off'} "
+          f"| {1e3 / ms['trivial']:.0f} | {ms['trivial']:.2f} "
           f"(min {r['ms_min']['trivial']:.2f}) | {1e3 / ms['step']:.0f} | {ms['step']:.2f} "
           f"(min {r['ms_min']['step']:.2f}) | {'yes' if ms['step'] <= GOAL_MS else 'no'} "
           f"| {ms['nnx']:.2f} | {r['start_s']:.1f} | {r['compile_s']:.1f} |")
@@ -257,7 +263,8 @@ def print_tables(results, mirrored, args, file=sys.stdout) -> None:
     rows = [(f"MirroredStrategy, {args.devices} replicas (sync; compile {mirrored['compile_s']:.1f} s)",
              mirrored["to_target"])]
     rows += [(f"ParameterServerStrategy, {r['workers']} worker(s), {args.ps} PS (async, "
-              f"fresh_reads={r['fresh_reads']})", r["to_target"]) for r in results]
+              f"fresh_reads={r['fresh_reads']}" + ("" if r["fast"] else ", fast paths off")
+              + ")", r["to_target"]) for r in results]
     for name, tries in rows:
         secs, steps = target_cell(tries)
         if secs is None:
@@ -272,7 +279,15 @@ def print_tables(results, mirrored, args, file=sys.stdout) -> None:
         p(f"Stale reads: {stale} closure(s) scheduled after the coordinator's `w.assign(0)` read "
           f"the value from before it (a worker's prefetched value; flushed before timing).")
         p()
-    two = [r for r in results if r["workers"] == 2]
+    for r in results:
+        slow = [q for q in results if q["workers"] == r["workers"] and q["fresh_reads"]
+                and not q["fast"]]
+        if r["fast"] and r["fresh_reads"] and slow:
+            p(f"Fast paths, {r['workers']} worker(s), fresh reads: step closure "
+              f"{r['ms']['step']:.2f} ms against {slow[0]['ms']['step']:.2f} ms with them off "
+              f"({slow[0]['ms']['step'] / r['ms']['step']:.1f}x); NNX step "
+              f"{r['ms']['nnx']:.2f} against {slow[0]['ms']['nnx']:.2f} ms.")
+    two = [r for r in results if r["workers"] == 2 and r["fast"]]
     for r in two:
         ms = r["ms"]["step"]
         p(f"Goal (≤ {GOAL_MS:g} ms per step closure, ≥ {1e3 / GOAL_MS:.0f} closures/s, 2 "
@@ -299,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=5, help="steps between loss checks")
     ap.add_argument("--max-steps", type=int, default=3000, help="give up after this many steps")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 50 closures, 1 round")
+    ap.add_argument("--no-slow-path", action="store_true",
+                    help="skip the run with the workers' fast paths off (JAXMIRROR_PS_FAST_PATHS=0)")
     ap.add_argument("--append", action="store_true", help="append the tables to --results")
     ap.add_argument("--results", type=pathlib.Path, default=RESULTS,
                     help="the file --append appends to")
@@ -332,11 +349,12 @@ def main(argv=None) -> int:
           f"target {args.target:g}" + (" (--quick: noisy)" if args.quick else ""))
         print(header.getvalue(), flush=True)
         results = []
+        configs = [(True, True), (False, True)] + ([] if args.no_slow_path else [(True, False)])
         for num_workers in workers:
-            for fresh_reads in (True, False):
+            for fresh_reads, fast in configs:
                 t0 = time.perf_counter()
-                results.append(bench_ps(num_workers, fresh_reads, args, xs, ys, noisy))
-                print(f"  done PS W={num_workers} fresh_reads={fresh_reads} in "
+                results.append(bench_ps(num_workers, fresh_reads, args, xs, ys, noisy, fast))
+                print(f"  done PS W={num_workers} fresh_reads={fresh_reads} fast={fast} in "
                       f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     finally:
         ray_owner.shutdown()

@@ -150,9 +150,14 @@ class Worker:
         """The process id (also: the actor is up)."""
         return os.getpid()
 
-    def run(self, calls, writes, follows, fresh, watermark):
+    def run(self, calls, writes, follows, fresh, watermark, fast=True):
         """Run closures one after another (``closures.run_closures``)."""
-        return closures.run_closures(calls, writes, follows, fresh, watermark)
+        return closures.run_closures(calls, writes, follows, fresh, watermark, fast)
+
+    def load_counts(self) -> dict:
+        """Testing: how many closures' variables were loaded by one compiled assignment
+        (``compiled``) and by one ``assign`` each (``assigned``)."""
+        return worker_runtime.current().load_counts.copy()
 
     def exit_after_pushes(self, count: int) -> None:
         """Testing: exit the process right after the ``count``-th push from now."""

@@ -4,10 +4,15 @@ A call brings one or more closures (``run_closures``). Each loads the values of 
 refers to (pulled, one request per parameter server, or brought back by the previous closure's
 push), runs, and notes its changes as ``assign`` overwrites or differences; the changes go out
 one message per parameter server, after each closure (fresh reads) or after the call.
+
+The messages to the parameter servers (Ray actor calls) go out all at once and their replies
+are awaited together.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import traceback
 
@@ -23,11 +28,13 @@ from jaxmirror.core.values import DistributedValues
 from jaxmirror.variables.handle import VariableHandle
 from jaxmirror.variables.variable import Variable
 
+LOADER_AFTER = 2  # loads of the same variables before they get a compiled loader (~20 ms)
+MAX_LOADERS = 64  # compiled loaders a worker keeps at most
+
 
 def _load(state, var_ids) -> None:
     """Make the local copies of ``var_ids`` current: from the values the last push brought
     back, else pulled now (one request per parameter server)."""
-    ray = ray_support.ray_module()
     missing = [i for i in var_ids if i not in state.current]
     if not missing:
         return
@@ -36,17 +43,51 @@ def _load(state, var_ids) -> None:
     for i in missing:
         if i not in values:
             by_ps.setdefault(state.locals[i].spec.ps_index, []).append(i)
-    refs = {ps: state.ps[ps].pull.remote(ids) for ps, ids in by_ps.items()}
     state.prefetched.clear()  # what this closure did not take is older by now
-    for ps, ref in refs.items():
-        values.update(zip(by_ps[ps], unpack(_remote(ray, ref, ps))))
+    for ps, pulled in _ask(state, {ps: ("pull", ids) for ps, ids in by_ps.items()}).items():
+        values.update(zip(by_ps[ps], pulled))
     for i in missing:
-        local = state.locals[i]
-        local.pulled = np.asarray(values[i])
-        if local.var is not None:
-            with local.var.overwrites_unwatched():  # loading is no overwrite by the closure
-                local.var.assign(local.pulled, read_value=False)
-        state.current.add(i)
+        state.locals[i].pulled = np.asarray(values[i])
+    _assign_loaded(state, [state.locals[i] for i in missing if state.locals[i].var is not None])
+    state.current.update(missing)
+
+
+def _assign_all(variables, *values) -> None:
+    for var, value in zip(variables, values):
+        var.assign(value, read_value=False)
+
+
+def _assign_loaded(state, locals_) -> None:
+    """Assign the loaded values to the local variables: one ``assign`` each, or, for a set of
+    variables loaded together before (the same closure again), one compiled ``strategy.run``
+    assigning them all, a tenth of the cost (on one replica only: with several, an assignment
+    in a replica context follows the aggregation rules, which a load must not)."""
+    if not locals_:
+        return
+    key = tuple(local.spec.var_id for local in locals_)
+    loader = state.loaders.get(key)
+    if loader is None:
+        if len(state.loads) >= MAX_LOADERS * 16:
+            state.loads.clear()
+        state.loads[key] = seen = state.loads.get(key, 0) + 1
+        strategy = worker_strategy()
+        if (state.fast and seen >= LOADER_AFTER and len(state.loaders) < MAX_LOADERS
+                and strategy.num_replicas_in_sync == 1):
+            loader = state.loaders[key] = functools.partial(
+                _assign_all, tuple(local.var for local in locals_))
+    with contextlib.ExitStack() as unwatched:  # loading is no overwrite by the closure
+        for local in locals_:
+            unwatched.enter_context(local.var.overwrites_unwatched())
+        if loader and state.fast:
+            try:
+                worker_strategy().run(loader, args=tuple(local.pulled for local in locals_))
+                state.load_counts["compiled"] += 1
+                return
+            except Exception:  # noqa: BLE001 (one assign each, as before, from now on)
+                state.loaders[key] = False
+        for local in locals_:
+            local.var.assign(local.pulled, read_value=False)
+        state.load_counts["assigned"] += 1
 
 
 def _remote(ray, ref, ps_index):
@@ -54,6 +95,24 @@ def _remote(ray, ref, ps_index):
         return ray.get(ref)
     except ray_support.actor_died_errors() as e:
         raise _ParameterServerGone(ps_index, str(e)) from None
+
+
+def _by_ray(state, ps, method, args):
+    handle = state.ps[ps]
+    return handle.pull.remote(args) if method == "pull" else handle.push.remote(pack(args))
+
+
+def _ask(state, requests: dict) -> dict:
+    """Send ``{ps: (method, args)}`` (``"pull"`` ids, or ``"push"`` ``(closures, pull_ids,
+    watermark)``) to every parameter server at once; wait for all the replies: ``{ps: result}``
+    as ``ParameterServer.pull``/``push`` give it, unpacked.
+
+    Raises:
+        _ParameterServerGone: a server is gone.
+    """
+    ray = ray_support.ray_module()
+    refs = {ps: _by_ray(state, ps, method, args) for ps, (method, args) in requests.items()}
+    return {ps: unpack(_remote(ray, ref, ps)) for ps, ref in refs.items()}
 
 
 class _ParameterServerGone(Exception):
@@ -102,14 +161,12 @@ def _forget(state, var_ids) -> None:
 def _push(state, pending: dict, var_ids) -> None:
     """Send every closure's changes, one message per parameter server; take back the values
     of ``var_ids`` that server holds, for the worker's next call."""
-    ray = ray_support.ray_module()
     again: dict = {}
     for i in var_ids:
         again.setdefault(state.locals[i].spec.ps_index, []).append(i)
-    refs = {ps: state.ps[ps].push.remote(pack((closures, again.get(ps, []), state.watermark)))
-            for ps, closures in pending.items()}
-    for ps, ref in refs.items():
-        _, pulled = unpack(_remote(ray, ref, ps))
+    replies = _ask(state, {ps: ("push", (closures, again.get(ps, []), state.watermark))
+                           for ps, closures in pending.items()})
+    for ps, (_, pulled) in replies.items():
         state.prefetched.update(zip(again.get(ps, []), pulled))
     state.pushes += 1
     if state.exit_after_push is not None and state.pushes >= state.exit_after_push:
@@ -191,7 +248,8 @@ def _send(state, pending, var_ids, calls, outcomes) -> list:
     return outcomes
 
 
-def run_closures(calls, writes=0, follows=False, fresh=True, watermark=None) -> list:
+def run_closures(calls, writes=0, follows=False, fresh=True, watermark=None,
+                 fast=True) -> list:
     """Run scheduled closures one after another in this worker; never raises.
 
     With ``fresh``, each closure sends its changes when it ends (one message per parameter
@@ -216,6 +274,8 @@ def run_closures(calls, writes=0, follows=False, fresh=True, watermark=None) -> 
         fresh: see above.
         watermark: the coordinator's oldest unfinished closure id, passed on to the parameter
             servers (``ParameterServer.apply_closures``).
+        fast: whether to load a set of variables loaded before by one compiled assignment
+            (else one ``assign`` per variable: the same values).
 
     Returns:
         One outcome per call, in order: ``("ok", result)`` with arrays as NumPy arrays,
@@ -226,6 +286,7 @@ def run_closures(calls, writes=0, follows=False, fresh=True, watermark=None) -> 
     """
     state = current()
     state.watermark = watermark
+    state.fast = fast
     if writes != state.prefetched_writes or not follows:
         state.prefetched.clear()
         state.prefetched_writes = writes

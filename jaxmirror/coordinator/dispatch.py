@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import os
 import threading
 
 from jaxmirror.coordinator.errors import UnavailableError, with_remote_traceback
@@ -57,12 +58,17 @@ class Dispatcher:
         max_per_call: closures in one call at most.
         fresh: whether each closure of a call sends its changes and starts from the parameter
             servers' values (``closures.run_closures``).
+
+    The workers' compiled loads (``closures``) are on unless the environment variable
+    ``JAXMIRROR_PS_FAST_PATHS`` is ``0`` when the dispatcher is made: then one ``assign`` per
+    loaded variable, the same values at several times the cost.
     """
 
     def __init__(self, cluster, max_in_flight: int = 2, max_per_call: int = 8,
                  fresh: bool = True):
         self._cluster = cluster
         self._fresh = fresh
+        self._fast = os.environ.get("JAXMIRROR_PS_FAST_PATHS", "1").strip() != "0"
         self._max = max_in_flight
         self._per_call = max_per_call
         self._cond = threading.Condition()
@@ -149,7 +155,7 @@ class Dispatcher:
         # and the values that one brought back are fresh.
         ref = self._cluster.workers[worker].run.remote(calls, coordinator_writes(),
                                                         self._load[worker] > 0, self._fresh,
-                                                        self._watermark())
+                                                        self._watermark(), self._fast)
         self._in_flight[ref] = (closures, worker, self._cluster.generation[worker])
         self._load[worker] += 1
 

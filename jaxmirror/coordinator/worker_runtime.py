@@ -62,6 +62,10 @@ class _WorkerState:
         self.current: set = set()  # variables whose local values are current in this call
         self.objects: dict = {}  # bundle id -> WorkerObjects (NNX objects on the servers)
         self.watermark = None  # the coordinator's oldest unfinished closure, for the servers
+        self.fast = True  # compiled loads (``closures``)
+        self.load_counts = {"compiled": 0, "assigned": 0}  # loads, by how (testing)
+        self.loads: dict = {}  # variable ids loaded together -> how often
+        self.loaders: dict = {}  # variable ids -> a function assigning them all, or False
 
 
 def install(index: int, num_workers: int, ps_handles, strategy_factory) -> None:
