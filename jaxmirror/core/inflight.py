@@ -17,6 +17,9 @@ from jaxmirror.core import _compat
 
 MAX_IN_FLIGHT = 8
 _queue: collections.deque = collections.deque()
+# Other outputs of the last step tracked (the sums ``reduce`` returns of its results,
+# ``track_array``'s ``also``): counting one of them again would count that step twice.
+_also: tuple = ()
 
 
 def needs_bound(devices) -> bool:
@@ -36,19 +39,28 @@ def needs_bound(devices) -> bool:
     return len(devices) > 1 and any(d.platform == "cpu" for d in devices)
 
 
-def track_array(x) -> None:
+def track_array(x, also: tuple = ()) -> None:
     """Remember one output array of a step just dispatched; wait on the oldest past the bound.
 
     One array per step is enough: an XLA CPU execution makes all its outputs ready at once.
 
     Args:
         x: an output array of the step, or ``None`` (nothing dispatched).
+        also: other outputs of the same step that ``tracked`` may be given next (the sums
+            ``strategy.reduce`` returns of its small results): not counted again.
     """
+    global _also
     if x is None or isinstance(x, _compat.Tracer):  # on the hot path: no call
         return  # no array, or a step traced inside the user's own jit/scan: nothing dispatched
+    _also = also
     _queue.append(x)
     if len(_queue) > MAX_IN_FLIGHT:
-        _wait(_queue.popleft())
+        oldest = _queue.popleft()  # _wait, inlined on the hot path
+        try:
+            if not oldest.is_deleted():  # donated into a later step, which ran after it
+                oldest.block_until_ready()
+        except Exception:  # noqa: BLE001 - see _wait
+            pass
 
 
 def tracked(placement, outputs):
@@ -61,10 +73,19 @@ def tracked(placement, outputs):
     Returns:
         ``outputs``.
     """
-    if placement.bound_in_flight:
+    if not placement.bound_in_flight:
+        return outputs
+    if isinstance(outputs, jax.Array):  # one array (a reduce): no flattening
+        last = outputs
+    else:
         leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
-        if leaves:
-            track_array(leaves[-1])
+        last = leaves[-1] if leaves else None
+    if last is None:
+        return outputs
+    for x in _also:  # the last step's own output (a sum made in the step): counted with it
+        if last is x:
+            return outputs
+    track_array(last)
     return outputs
 
 
@@ -90,6 +111,8 @@ def queued() -> tuple:
 
 def drain() -> None:
     """Wait for every tracked step (tests and benchmarks start from an empty queue)."""
+    global _also
+    _also = ()
     while _queue:
         _wait(_queue.popleft())
 

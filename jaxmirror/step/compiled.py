@@ -107,8 +107,8 @@ class Compiled:
         per-replica results get the sums it computed with them (``reductions_in_step``)."""
         if self.track or self.watch:
             handle = token if token is not None else self.handle(out)
-            if self.track:
-                inflight.track_array(handle)
+            if self.track:  # the sums too: ``reduce`` returns them, counted here already
+                inflight.track_array(handle, sums)
             if self.watch:
                 watch.dispatched(self.program.__name__, handle)
         if sums:
