@@ -190,11 +190,40 @@ def tf_worker(names, steps: int, warmup: int, check: int) -> dict:
     return out
 
 
-def jm_worker(names, steps: int, warmup: int, check: int) -> dict:
-    """One jaxmirror worker (started by ``jaxmirror.launch.run``): each model's result."""
+def jaxmirror_step(strategy, params, batch):
+    """TF's tutorial step on jaxmirror: the MLP's params as ``jaxmirror.Variable``s, the loss
+    through ``compute_average_loss``, the gradients all-reduced, SGD by ``assign``; returns
+    ``strategy.function`` of it (``train_step(x, y)`` gives the per-replica loss)."""
     import jax
     import optax
 
+    import jaxmirror as jm
+
+    with strategy.scope():
+        variables = {k: jm.Variable(v, name=k) for k, v in params.items()}
+
+    def replica_loss(p, x, y):
+        n = len(p) // 2
+        for i in range(n):
+            x = x @ p[f"w{i}"] + p[f"b{i}"]
+            if i < n - 1:
+                x = jax.nn.relu(x)
+        per_example = optax.softmax_cross_entropy_with_integer_labels(x, y)
+        return jm.compute_average_loss(per_example, global_batch_size=batch)
+
+    def step_fn(x, y):
+        values = {k: v.read_value() for k, v in variables.items()}
+        loss, grads = jax.value_and_grad(replica_loss)(values, x, y)
+        grads = jm.get_replica_context().all_reduce("SUM", grads)
+        for k, v in variables.items():
+            v.assign(values[k] - LR * grads[k])
+        return loss
+
+    return strategy.function(step_fn)
+
+
+def jm_worker(names, steps: int, warmup: int, check: int) -> dict:
+    """One jaxmirror worker (started by ``jaxmirror.launch.run``): each model's result."""
     import jaxmirror as jm
 
     options = jm.experimental.CommunicationOptions(timeout_seconds=120)
@@ -203,27 +232,7 @@ def jm_worker(names, steps: int, warmup: int, check: int) -> dict:
     for name in names:
         sizes, batch = MODELS[name]
         params, batches = host_data(sizes, batch)
-        with strategy.scope():
-            variables = {k: jm.Variable(v, name=k) for k, v in params.items()}
-
-        def replica_loss(p, x, y, batch=batch):
-            n = len(p) // 2
-            for i in range(n):
-                x = x @ p[f"w{i}"] + p[f"b{i}"]
-                if i < n - 1:
-                    x = jax.nn.relu(x)
-            per_example = optax.softmax_cross_entropy_with_integer_labels(x, y)
-            return jm.compute_average_loss(per_example, global_batch_size=batch)
-
-        def step_fn(x, y, variables=variables, replica_loss=replica_loss):
-            values = {k: v.read_value() for k, v in variables.items()}
-            loss, grads = jax.value_and_grad(replica_loss)(values, x, y)
-            grads = jm.get_replica_context().all_reduce("SUM", grads)
-            for k, v in variables.items():
-                v.assign(values[k] - LR * grads[k])
-            return loss
-
-        train_step = strategy.function(step_fn)
+        train_step = jaxmirror_step(strategy, params, batch)
         iterator = iter(strategy.experimental_distribute_dataset(
             lambda batches=batches: itertools.cycle(batches)))
 
@@ -250,7 +259,6 @@ def breakdown_worker(steps: int, rounds: int) -> dict:
     lax.psum))`` over all workers' devices of the gradients' float count (the step packs its
     leaves into one buffer), waited for: gloo's round trip alone."""
     import jax
-    import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import jaxmirror as jm
@@ -258,25 +266,7 @@ def breakdown_worker(steps: int, rounds: int) -> dict:
     strategy = jm.MultiWorkerMirroredStrategy()
     sizes, batch = MODELS["small"]
     params, batches = host_data(sizes, batch)
-    with strategy.scope():
-        variables = {k: jm.Variable(v, name=k) for k, v in params.items()}
-
-    def replica_loss(p, x, y):
-        for i in range(len(p) // 2):
-            x = x @ p[f"w{i}"] + p[f"b{i}"]
-            x = jax.nn.relu(x) if i < len(p) // 2 - 1 else x
-        per_example = optax.softmax_cross_entropy_with_integer_labels(x, y)
-        return jm.compute_average_loss(per_example, global_batch_size=batch)
-
-    def step_fn(x, y):
-        values = {k: v.read_value() for k, v in variables.items()}
-        loss, grads = jax.value_and_grad(replica_loss)(values, x, y)
-        grads = jm.get_replica_context().all_reduce("SUM", grads)
-        for k, v in variables.items():
-            v.assign(values[k] - LR * grads[k])
-        return loss
-
-    train_step = strategy.function(step_fn)
+    train_step = jaxmirror_step(strategy, params, batch)
     iterators = {thread: iter(strategy.experimental_distribute_dataset(
         lambda: itertools.cycle(batches), jm.InputOptions(prefetch_thread=thread)))
         for thread in (None, False)}

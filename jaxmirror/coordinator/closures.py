@@ -66,11 +66,11 @@ def _assign_loaded(state, locals_) -> None:
         return
     key = tuple(local.spec.var_id for local in locals_)
     loader = state.loaders.get(key)
+    strategy = worker_strategy()
     if loader is None:
         if len(state.loads) >= MAX_LOADERS * 16:
             state.loads.clear()
         state.loads[key] = seen = state.loads.get(key, 0) + 1
-        strategy = worker_strategy()
         if (state.fast and seen >= LOADER_AFTER and len(state.loaders) < MAX_LOADERS
                 and strategy.num_replicas_in_sync == 1):
             loader = state.loaders[key] = functools.partial(
@@ -80,7 +80,7 @@ def _assign_loaded(state, locals_) -> None:
             unwatched.enter_context(local.var.overwrites_unwatched())
         if loader and state.fast:
             try:
-                worker_strategy().run(loader, args=tuple(local.pulled for local in locals_))
+                strategy.run(loader, args=tuple(local.pulled for local in locals_))
                 state.load_counts["compiled"] += 1
                 return
             except Exception:  # noqa: BLE001 (one assign each, as before, from now on)

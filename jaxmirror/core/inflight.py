@@ -55,12 +55,7 @@ def track_array(x, also: tuple = ()) -> None:
     _also = also
     _queue.append(x)
     if len(_queue) > MAX_IN_FLIGHT:
-        oldest = _queue.popleft()  # _wait, inlined on the hot path
-        try:
-            if not oldest.is_deleted():  # donated into a later step, which ran after it
-                oldest.block_until_ready()
-        except Exception:  # noqa: BLE001 - see _wait
-            pass
+        _wait(_queue.popleft())
 
 
 def tracked(placement, outputs):
