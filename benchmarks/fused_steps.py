@@ -55,8 +55,9 @@ from tf_loop import LR, MODELS, host_data, replica_loss  # noqa: E402
 GLOBAL_BATCH = MODELS["tiny"][0]
 
 
-def make_loop(devices, params, batches, k: int | None, num_packs: int | None = None):
-    """The loop on a fresh strategy: ``loop(steps)`` runs them, returns the summed loss."""
+def make_loop(devices, params, batches, k: int | None, num_packs: int | None = None,
+              global_batch: int = GLOBAL_BATCH):
+    """The loop on a fresh strategy: ``loop(steps)`` runs them, returns the steps' losses."""
     ops = None if num_packs is None else jaxmirror.NcclAllReduce(num_packs=num_packs)
     strategy = jaxmirror.MirroredStrategy(devices, cross_device_ops=ops)
     with strategy.scope():
@@ -65,7 +66,7 @@ def make_loop(devices, params, batches, k: int | None, num_packs: int | None = N
     def step_fn(batch):
         x, y = batch
         values = {name: v.read_value() for name, v in variables.items()}
-        loss, grads = jax.value_and_grad(replica_loss)(values, x, y, GLOBAL_BATCH)
+        loss, grads = jax.value_and_grad(replica_loss)(values, x, y, global_batch)
         grads = jaxmirror.get_replica_context().all_reduce("SUM", grads)
         for name, v in variables.items():
             v.assign(values[name] - LR * grads[name])

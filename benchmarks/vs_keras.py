@@ -79,7 +79,8 @@ import numpy as np  # noqa: E402
 import jaxmirror  # noqa: E402
 from _timing import check_close, checkout, devices_and_models, devices_line  # noqa: E402
 from _timing import platform_of, spread  # noqa: E402  (shared)
-from tf_loop import LR, jaxmirror_loop, replica_loss  # noqa: E402
+from fused_steps import make_loop  # noqa: E402  (fused steps, K at a time)
+from tf_loop import LR, jaxmirror_loop  # noqa: E402
 
 # tf_loop's step sums its rows' losses; every batch here splits evenly, so no row is padding
 warnings.filterwarnings("ignore", message="run: a sum or mean over the rows of a padded batch")
@@ -107,35 +108,6 @@ def host_data(sizes, global_batch: int, seed: int = 0):
                 rng.integers(0, sizes[-1], global_batch).astype(np.int32))
                for _ in range(NUM_BATCHES)]
     return params, batches
-
-
-def fused_loop(devices, params, batches, global_batch: int, k: int):
-    """jaxmirror's fused steps: ``loop(steps)`` runs them K at a time; returns the losses."""
-    strategy = jaxmirror.MirroredStrategy(devices)
-    with strategy.scope():
-        variables = {name: jaxmirror.Variable(v, name=name) for name, v in params.items()}
-
-    def step_fn(batch):
-        x, y = batch
-        values = {name: v.read_value() for name, v in variables.items()}
-        loss, grads = jax.value_and_grad(replica_loss)(values, x, y, global_batch)
-        grads = jaxmirror.get_replica_context().all_reduce("SUM", grads)
-        for name, v in variables.items():
-            v.assign(values[name] - LR * grads[name])
-        return loss
-
-    train_steps = strategy.function(step_fn, steps_per_execution=k)
-    iterator = iter(strategy.experimental_distribute_dataset(lambda: itertools.cycle(batches)))
-
-    def loop(steps: int) -> list:
-        out = []
-        for _ in range(steps // k):
-            out += np.asarray(strategy.reduce("SUM", train_steps(iterator), axis=None)).tolist()
-        return out
-
-    loop.params = lambda: {name: np.asarray(v.numpy()) for name, v in variables.items()}
-    loop.counts = lambda: (train_steps.trace_count, train_steps.compile_count)
-    return loop
 
 
 def keras_model(keras, sizes, params):
@@ -288,7 +260,8 @@ def bench(keras, model: str, n: int, args) -> dict:
         if args.aa:
             loops[JM2] = jaxmirror_loop(devices, params, batches, global_batch)
         for k in ks:
-            loops[fused_name(k)] = fused_loop(devices, params, batches, global_batch, k)
+            loops[fused_name(k)] = make_loop(devices, params, batches, k,
+                                               global_batch=global_batch)
         loops[STATELESS] = stateless_loop(keras, distribution, sizes, params, batches)
         loops[fit_name(1)] = fit_loop(keras, sizes, params, batches, 1, args.fit_input)
         for k in ks:
